@@ -1,0 +1,31 @@
+# Every target creates the virtual environment on first use, so a fresh clone needs only Python 3.11+.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: venv test lint demo bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+lint: venv
+	$(VENV)/bin/ruff format --check src tests examples benchmarks
+	$(VENV)/bin/ruff check src tests examples benchmarks
+
+test: lint
+	$(PY) -m pytest tests
+
+demo: venv
+	$(PY) examples/seed.py
+	$(PY) -m dyndepth demo
+
+bench: venv
+	$(PY) benchmarks/bench_seed.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

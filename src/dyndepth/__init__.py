@@ -1,0 +1,19 @@
+"""dyndepth: random and data-dependent depth for JAX.
+
+Loops whose forward and backward cost follow the depth actually run, under ``jit``, ``vmap`` and
+``grad``, with a documented per-step key schedule.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from ._keys import step_key as step_key
+from ._loop import repeat as repeat
+from ._loop import scan as scan
+from ._loop import while_loop as while_loop
+
+try:
+    __version__ = version("dyndepth")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = ["repeat", "scan", "step_key", "while_loop"]

@@ -1,0 +1,117 @@
+"""Argument validation shared by the public functions. Every error names the argument and its value."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+STRATEGIES = ("auto", "masked", "while", "checkpointed")
+
+
+def static_nonneg_int(value: Any, name: str, *, minimum: int = 0) -> int:
+    """A static Python int >= minimum (numpy integers accepted; bools, floats and arrays are not)."""
+    if isinstance(value, bool) or isinstance(value, jax.Array):
+        raise TypeError(
+            f"`{name}` must be a static Python int >= {minimum}, got {type(value).__name__}: "
+            f"{value!r}"
+        )
+    try:
+        ivalue = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"`{name}` must be a static Python int >= {minimum}, got {type(value).__name__}: "
+            f"{value!r}"
+        ) from None
+    if ivalue < minimum:
+        raise ValueError(f"`{name}` must be >= {minimum}, got {ivalue}")
+    return ivalue
+
+
+def checkpoints_arg(checkpoints: Any) -> int | None:
+    if checkpoints is None:
+        return None
+    return static_nonneg_int(checkpoints, "checkpoints", minimum=1)
+
+
+def strategy_arg(strategy: Any) -> str:
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise ValueError(f"`strategy` must be one of {STRATEGIES}, got {strategy!r}")
+    return strategy
+
+
+def callable_arg(f: Any, name: str) -> None:
+    if not callable(f):
+        raise TypeError(f"`{name}` must be callable, got {type(f).__name__}: {f!r}")
+
+
+def count_arg(value: Any, name: str, max_name: str, max_value: int) -> jax.Array:
+    """A loop count: a Python int or an integer scalar array, possibly traced.
+
+    Concrete values are checked against ``[0, max_value]``; traced values are clamped into it.
+    Returns an int32 scalar array.
+    """
+    if isinstance(value, bool) or isinstance(value, np.bool_):
+        raise TypeError(f"`{name}` must be an integer, got bool: {value!r}")
+    if isinstance(value, int | np.integer):
+        if not 0 <= int(value) <= max_value:
+            raise ValueError(
+                f"`{name}` must lie in [0, {max_name}] = [0, {max_value}], got {int(value)}"
+            )
+        return jnp.asarray(int(value), dtype=jnp.int32)
+    dtype = getattr(value, "dtype", None)
+    shape = getattr(value, "shape", None)
+    if dtype is None or shape is None:
+        raise TypeError(
+            f"`{name}` must be a Python int or an integer scalar array, got "
+            f"{type(value).__name__}: {value!r}"
+        )
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(
+            f"`{name}` must have an integer dtype, got dtype {dtype}"
+            + (" (cast it with .astype(int))" if jnp.issubdtype(dtype, jnp.floating) else "")
+        )
+    if tuple(shape) != ():
+        raise ValueError(
+            f"`{name}` must be a scalar, got shape {tuple(shape)}; for one depth per sample, "
+            "jax.vmap over the batch (or use dyndepth.repeat_batched)"
+        )
+    if not isinstance(value, jax.core.Tracer):
+        concrete = int(value)
+        if not 0 <= concrete <= max_value:
+            raise ValueError(
+                f"`{name}` must lie in [0, {max_name}] = [0, {max_value}], got {concrete}"
+            )
+    return jnp.clip(jnp.asarray(value).astype(jnp.int32), 0, max_value)
+
+
+def keystr(path: Any) -> str:
+    return jax.tree_util.keystr(path) or "<root>"
+
+
+def carry_matches(init: Any, out: Any, fname: str) -> None:
+    """Raise a TypeError naming the first leaf where ``out`` differs from ``init``."""
+    init_tree = jax.tree_util.tree_structure(init)
+    out_tree = jax.tree_util.tree_structure(out)
+    if init_tree != out_tree:
+        raise TypeError(
+            f"`{fname}` must return a carry with the same pytree structure as `init`; "
+            f"`init` has structure {init_tree} but `{fname}` returned {out_tree}"
+        )
+    init_leaves = jax.tree_util.tree_leaves_with_path(init)
+    out_leaves = jax.tree_util.tree_leaves(out)
+    for (path, a), b in zip(init_leaves, out_leaves, strict=True):
+        if tuple(a.shape) != tuple(b.shape) or np.dtype(a.dtype) != np.dtype(b.dtype):
+            raise TypeError(
+                f"`{fname}` must keep the shape and dtype of every carry leaf; at carry"
+                f"{keystr(path)} `init` has {a.dtype}{list(a.shape)} but `{fname}` returned "
+                f"{b.dtype}{list(b.shape)}"
+                + (
+                    " (cast the output with .astype(init.dtype))"
+                    if tuple(a.shape) == tuple(b.shape)
+                    else ""
+                )
+            )

@@ -1,0 +1,619 @@
+"""The one loop core behind ``repeat``, ``scan`` and ``while_loop``.
+
+A *problem* is a step ``(consts, carry, x, key) -> (carry, y)`` over flat lists of leaves, an
+optional stop predicate ``(cconsts, carry) -> bool``, a static ``max_steps`` and a checkpoint
+budget. Step ``i`` of a sample runs while ``i < n`` and the predicate holds; the loop stops at the
+first step that does not run.
+
+Everything here works on an explicit batch axis ``B`` (an unbatched call is a batch of one), so
+that the same code serves a single loop, the ``custom_vmap`` rules and the scheduler. Closed-over
+parameters ("consts") carry an axis spec: ``None`` (shared by the batch: never broadcast) or
+``0`` (one per sample).
+
+Strategies:
+
+* ``masked``: ``lax.scan`` over ``max_steps`` with ``lax.cond`` (the seed's method).
+* ``while``: a ``lax.while_loop``; a ``custom_jvp`` gives forward mode, and a guard makes reverse
+  mode fail with a message that points to ``"checkpointed"``.
+* ``checkpointed``: a ``custom_vjp`` whose forward is a while loop that stores checkpoints and
+  whose backward is a while loop over the steps taken, in reverse. The forward and the backward are
+  ``custom_vmap`` functions, so under ``vmap`` shared parameters stay shared and their gradient is
+  summed inside the loop instead of being broadcast to the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.custom_batching import custom_vmap
+from jax.custom_derivatives import linear_call
+
+from ._keys import KeySchedule
+
+Leaves = list[Any]
+
+
+# ----------------------------------------------------------------------------- small helpers
+
+
+def is_diff(x: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def take(leaves: Sequence[Any], mask: Sequence[bool], want: bool = True) -> Leaves:
+    return [leaf for leaf, m in zip(leaves, mask, strict=True) if m == want]
+
+
+def merge(diff: Sequence[Any], nondiff: Sequence[Any], mask: Sequence[bool]) -> Leaves:
+    d, n = iter(diff), iter(nondiff)
+    return [next(d) if m else next(n) for m in mask]
+
+
+def bcast(mask: jax.Array, x: jax.Array) -> jax.Array:
+    """Broadcast a (B,) mask against a (B, ...) array."""
+    return mask.reshape(mask.shape + (1,) * (x.ndim - 1))
+
+
+def where_b(mask: jax.Array, new: Leaves, old: Leaves) -> Leaves:
+    return [jnp.where(bcast(mask, a), a, b) for a, b in zip(new, old, strict=True)]
+
+
+def gather_rows(bufs: Leaves, idx: jax.Array) -> Leaves:
+    """``buf[b, idx[b]]`` for every (B, T, ...) buffer; the index is clamped into range."""
+    return [
+        jax.vmap(lambda a, i: lax.dynamic_index_in_dim(a, i, 0, keepdims=False))(buf, idx)
+        for buf in bufs
+    ]
+
+
+def scatter_rows(bufs: Leaves, idx: jax.Array, vals: Leaves, mask: jax.Array) -> Leaves:
+    """``buf[b, idx[b]] = val[b]`` where ``mask[b]``; other rows keep their contents."""
+
+    def one(buf, i, v, m):
+        old = lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
+        return lax.dynamic_update_index_in_dim(buf, jnp.where(m, v, old), i, 0)
+
+    return [jax.vmap(one)(buf, idx, v, mask) for buf, v in zip(bufs, vals, strict=True)]
+
+
+def zeros_like_leaves(leaves: Sequence[Any]) -> Leaves:
+    return [jnp.zeros(x.shape, x.dtype) for x in leaves]
+
+
+# ----------------------------------------------------------------------------- the problem
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Problem:
+    """Static description of one loop; see the module docstring."""
+
+    step: Callable[[Leaves, Leaves, Leaves, Any], tuple[Leaves, Leaves]]
+    cond: Callable[[Leaves, Leaves], jax.Array] | None
+    carry_avals: tuple[jax.ShapeDtypeStruct, ...]
+    x_avals: tuple[jax.ShapeDtypeStruct, ...]
+    y_avals: tuple[jax.ShapeDtypeStruct, ...]
+    max_steps: int
+    checkpoints: int | None
+    keys: KeySchedule | None
+
+    @property
+    def slots(self) -> int:
+        """Checkpoint slots stored by the forward pass."""
+        if self.checkpoints is None or self.checkpoints >= self.max_steps:
+            return max(self.max_steps, 1)
+        return self.checkpoints
+
+    @property
+    def thinning(self) -> bool:
+        return self.slots < self.max_steps
+
+    @property
+    def segment(self) -> int:
+        """Largest checkpoint spacing: the size of the backward pass's recompute buffer."""
+        if not self.thinning:
+            return 1
+        s = 1
+        while math.ceil(self.max_steps / s) > self.slots:
+            s *= 2
+        return s
+
+    @property
+    def carry_mask(self) -> list[bool]:
+        return [is_diff(a) for a in self.carry_avals]
+
+    @property
+    def x_mask(self) -> list[bool]:
+        return [is_diff(a) for a in self.x_avals]
+
+    @property
+    def y_mask(self) -> list[bool]:
+        return [is_diff(a) for a in self.y_avals]
+
+    def key_at(self, kd: Any, i: jax.Array) -> Any:
+        if self.keys is None:
+            return None
+        return jax.vmap(self.keys.key_at)(kd, i)
+
+    def vstep(self, c_axes: Sequence[int | None]) -> Callable:
+        return jax.vmap(self.step, in_axes=(list(c_axes), 0, 0, 0))
+
+    def vcond(self, cc_axes: Sequence[int | None]) -> Callable:
+        assert self.cond is not None
+        return jax.vmap(self.cond, in_axes=(list(cc_axes), 0))
+
+
+def _active(prob, cconsts, cc_axes, i, n, carry):
+    act = i < n
+    if prob.cond is not None:
+        act = act & prob.vcond(cc_axes)(cconsts, carry)
+    return act
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def forward_batched(prob: Problem, consts, c_axes, cconsts, cc_axes, init, xs, n, kd, *, store):
+    """Run the loop on a batch. Returns ``(carry, ys, steps)`` and, with ``store``, the residuals
+    ``(buf, stride)``: ``buf[b, j]`` is the carry before step ``j * stride[b]``."""
+    B = n.shape[0]
+    T = prob.max_steps
+    vstep = prob.vstep(c_axes)
+    ys0 = [jnp.zeros((B, T) + a.shape, a.dtype) for a in prob.y_avals]
+    i0 = jnp.zeros((B,), jnp.int32)
+    act0 = _active(prob, cconsts, cc_axes, i0, n, init)
+    state = dict(i=i0, act=act0, carry=list(init), ys=ys0)
+    if store:
+        K = prob.slots
+        state["buf"] = [jnp.zeros((B, K) + a.shape, a.dtype) for a in prob.carry_avals]
+        # Slot 0 always holds init, so that the backward pass never evaluates the step at an
+        # uninitialised state, even for samples that take no step.
+        state["buf"] = [b.at[:, 0].set(c) for b, c in zip(state["buf"], init, strict=True)]
+        state["count"] = jnp.zeros((B,), jnp.int32)
+        state["stride"] = jnp.ones((B,), jnp.int32)
+
+    def body(s):
+        i, act, carry = s["i"], s["act"], s["carry"]
+        s = dict(s)
+        if store:
+            s.update(_store(prob, s, i, act, carry))
+        x = gather_rows(xs, i)
+        new_carry, y = vstep(consts, carry, x, prob.key_at(kd, i))
+        s["carry"] = where_b(act, list(new_carry), carry)
+        s["ys"] = scatter_rows(s["ys"], i, list(y), act)
+        s["i"] = i + act.astype(jnp.int32)
+        s["act"] = act & _active(prob, cconsts, cc_axes, s["i"], n, s["carry"])
+        return s
+
+    out = lax.while_loop(lambda s: jnp.any(s["act"]), body, state)
+    res = (out["buf"], out["stride"]) if store else None
+    return out["carry"], out["ys"], out["i"], res
+
+
+def _store(prob, s, i, act, carry):
+    buf, count, stride = s["buf"], s["count"], s["stride"]
+    if prob.thinning:
+        K = prob.slots
+        full = act & (i % stride == 0) & (count == K)
+
+        def compact(args):
+            buf, count, stride = args
+            kept = (K + 1) // 2
+
+            def thin(b):
+                half = b[:, 0::2]
+                pad = jnp.zeros((b.shape[0], K - kept) + b.shape[2:], b.dtype)
+                return jnp.concatenate([half, pad], axis=1)
+
+            buf = where_b(full, [thin(b) for b in buf], buf)
+            count = jnp.where(full, kept, count)
+            stride = jnp.where(full, stride * 2, stride)
+            return buf, count, stride
+
+        buf, count, stride = lax.cond(jnp.any(full), compact, lambda a: a, (buf, count, stride))
+    want = act & (i % stride == 0)
+    buf = scatter_rows(buf, count, carry, want)
+    count = count + want.astype(jnp.int32)
+    return dict(buf=buf, count=count, stride=stride)
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def backward_batched(prob: Problem, consts, c_axes, xs, kd, res, steps, ct_carry, ct_ys):
+    """Reverse sweep. ``ct_carry``/``ct_ys`` hold the differentiable leaves only.
+
+    Returns cotangents for the differentiable leaves of ``consts`` (summed over the batch for
+    shared consts), of ``init`` and of ``xs``."""
+    buf, stride = res
+    B = steps.shape[0]
+    S = prob.segment
+    cmask, xmask, ymask = prob.carry_mask, prob.x_mask, prob.y_mask
+    kmask = [is_diff(c) for c in consts]
+    vstep = prob.vstep(c_axes)
+    d_axes = take(c_axes, kmask)
+    nseg = (steps + stride - 1) // stride
+    rounds = jnp.max(nseg)
+
+    def vjp_step(carry, x, key, ct_c, ct_y, act):
+        """One step's vjp on the batch, with the cotangents of inactive rows zeroed."""
+        cd, cn = take(carry, cmask), take(carry, cmask, False)
+        xd, xn = take(x, xmask), take(x, xmask, False)
+        kd_, kn = take(consts, kmask), take(consts, kmask, False)
+
+        def f(kd_, cd, xd):
+            new_c, y = vstep(merge(kd_, kn, kmask), merge(cd, cn, cmask), merge(xd, xn, xmask), key)
+            return take(list(new_c), cmask), take(list(y), ymask)
+
+        _, pullback = jax.vjp(f, kd_, cd, xd)
+        ct_c = [jnp.where(bcast(act, c), c, 0) for c in ct_c]
+        ct_y = [jnp.where(bcast(act, c), c, 0) for c in ct_y]
+        g_k, g_c, g_x = pullback((ct_c, ct_y))
+        g_k = [jnp.where(bcast(act, g), g, 0) if ax == 0 else g for g, ax in zip(g_k, d_axes)]
+        return g_k, g_c, g_x
+
+    def reverse_step(s, idx, state_c, act):
+        x = gather_rows(xs, idx)
+        ct_y = gather_rows(ct_ys, idx)
+        g_k, g_c, g_x = vjp_step(state_c, x, prob.key_at(kd, idx), s["ct"], ct_y, act)
+        s = dict(s)
+        s["acc"] = [a + g for a, g in zip(s["acc"], g_k, strict=True)]
+        s["ct"] = where_b(act, g_c, s["ct"])
+        s["ct_xs"] = scatter_rows(s["ct_xs"], idx, g_x, act)
+        return s
+
+    acc0 = zeros_like_leaves(take(consts, kmask))
+    ct_xs0 = [jnp.zeros_like(a) for a in take(xs, xmask)]
+    state = dict(r=jnp.zeros((), jnp.int32), ct=list(ct_carry), acc=acc0, ct_xs=ct_xs0)
+
+    def segment_body(s):
+        j = nseg - 1 - s["r"]
+        seg_act = j >= 0
+        start = jnp.maximum(j, 0) * stride
+        length = jnp.where(seg_act, jnp.minimum(stride, steps - start), 0)
+        c0 = gather_rows(buf, jnp.maximum(j, 0))
+        if S == 1:
+            s = reverse_step(s, start, c0, seg_act)
+        else:
+            lb0 = [jnp.zeros((B, S) + a.shape, a.dtype) for a in prob.carry_avals]
+            lb0 = [b.at[:, 0].set(c) for b, c in zip(lb0, c0, strict=True)]
+            tmax = jnp.max(length)
+
+            def recompute(rs):
+                t, c, lb = rs
+                act = t < length
+                idx = start + t - 1
+                x = gather_rows(xs, idx)
+                new_c, _ = vstep(consts, c, x, prob.key_at(kd, idx))
+                c = where_b(act, list(new_c), c)
+                lb = scatter_rows(lb, jnp.broadcast_to(t, (B,)), c, act)
+                return t + 1, c, lb
+
+            _, _, lb = lax.while_loop(
+                lambda rs: rs[0] < tmax, recompute, (jnp.ones((), jnp.int32), c0, lb0)
+            )
+
+            def unwind(us):
+                t, s = us
+                act = t < length
+                state_c = gather_rows(lb, jnp.broadcast_to(t, (B,)))
+                return t - 1, reverse_step(s, start + t, state_c, act)
+
+            _, s = lax.while_loop(lambda us: us[0] >= 0, unwind, (tmax - 1, s))
+        s = dict(s)
+        s["r"] = s["r"] + 1
+        return s
+
+    out = lax.while_loop(lambda s: s["r"] < rounds, segment_body, state)
+    return out["acc"], out["ct"], out["ct_xs"]
+
+
+# ----------------------------------------------------------------------------- batching plumbing
+
+
+def _expand(leaves):
+    return [jnp.expand_dims(x, 0) for x in leaves]
+
+
+def _squeeze(leaves):
+    return [x[0] for x in leaves]
+
+
+def _batch(leaves, batched, B):
+    return [x if b else jnp.broadcast_to(x, (B,) + jnp.shape(x)) for x, b in zip(leaves, batched)]
+
+
+def _axes(batched):
+    return [0 if b else None for b in batched]
+
+
+def _flat_batched(tree_batched) -> list[bool]:
+    return [bool(b) for b in jax.tree_util.tree_leaves(tree_batched)]
+
+
+def _make_fwd(prob: Problem, store: bool):
+    """The forward loop as a custom_vmap function of unbatched arguments."""
+
+    @custom_vmap
+    def fwd(consts, cconsts, init, xs, n, kd):
+        c_axes, cc_axes = [None] * len(consts), [None] * len(cconsts)
+        carry, ys, steps, res = forward_batched(
+            prob,
+            consts,
+            c_axes,
+            cconsts,
+            cc_axes,
+            _expand(init),
+            _expand(xs),
+            n[None],
+            None if kd is None else kd[None],
+            store=store,
+        )
+        out = (_squeeze(carry), _squeeze(ys), steps[0])
+        if store:
+            out = out + ((_squeeze(res[0]), res[1][0]),)
+        return out
+
+    @fwd.def_vmap
+    def fwd_rule(axis_size, in_batched, consts, cconsts, init, xs, n, kd):
+        cb, ccb, ib, xb, nb, kb = in_batched
+        B = axis_size
+        init = _batch(init, ib, B)
+        xs = _batch(xs, xb, B)
+        n = _batch([n], [nb], B)[0]
+        if kd is not None:
+            kd = _batch([kd], [kb], B)[0]
+        carry, ys, steps, res = forward_batched(
+            prob, consts, _axes(cb), cconsts, _axes(ccb), init, xs, n, kd, store=store
+        )
+        out = (carry, ys, steps) + ((res,) if store else ())
+        return out, jax.tree_util.tree_map(lambda _: True, out)
+
+    return fwd
+
+
+def _make_bwd(prob: Problem):
+    @custom_vmap
+    def bwd(consts, xs, kd, res, steps, ct_carry, ct_ys):
+        c_axes = [None] * len(consts)
+        buf, stride = res
+        acc, ct, ct_xs = backward_batched(
+            prob,
+            consts,
+            c_axes,
+            _expand(xs),
+            None if kd is None else kd[None],
+            (_expand(buf), stride[None]),
+            steps[None],
+            _expand(ct_carry),
+            _expand(ct_ys),
+        )
+        return acc, _squeeze(ct), _squeeze(ct_xs)
+
+    @bwd.def_vmap
+    def bwd_rule(axis_size, in_batched, consts, xs, kd, res, steps, ct_carry, ct_ys):
+        cb, xb, kb, rb, sb, ctb, ctyb = in_batched
+        B = axis_size
+        xs = _batch(xs, xb, B)
+        if kd is not None:
+            kd = _batch([kd], [kb], B)[0]
+        buf, stride = res
+        buf = _batch(buf, rb[0], B)
+        stride = _batch([stride], [rb[1]], B)[0]
+        steps = _batch([steps], [sb], B)[0]
+        ct_carry = _batch(ct_carry, ctb, B)
+        ct_ys = _batch(ct_ys, ctyb, B)
+        c_axes = _axes(cb)
+        acc, ct, ct_xs = backward_batched(
+            prob, consts, c_axes, xs, kd, (buf, stride), steps, ct_carry, ct_ys
+        )
+        kmask = [is_diff(c) for c in consts]
+        acc_b = [ax == 0 for ax in take(c_axes, kmask)]
+        return (acc, ct, ct_xs), (acc_b, [True] * len(ct), [True] * len(ct_xs))
+
+    return bwd
+
+
+# ----------------------------------------------------------------------------- strategies
+
+
+def run_checkpointed(prob: Problem, consts, cconsts, init, xs, n, kd):
+    fwd_plain = _make_fwd(prob, store=False)
+    fwd_store = _make_fwd(prob, store=True)
+    bwd = _make_bwd(prob)
+    cmask, xmask, ymask = prob.carry_mask, prob.x_mask, prob.y_mask
+    kmask = [is_diff(c) for c in consts]
+
+    @jax.custom_vjp
+    def loop(consts, cconsts, init, xs, n, kd):
+        return fwd_plain(consts, cconsts, init, xs, n, kd)
+
+    def loop_fwd(consts, cconsts, init, xs, n, kd):
+        carry, ys, steps, res = fwd_store(consts, cconsts, init, xs, n, kd)
+        return (carry, ys, steps), (consts, xs, kd, res, steps)
+
+    def loop_bwd(saved, cts):
+        consts, xs, kd, res, steps = saved
+        ct_carry, ct_ys, _ = cts
+        ct_carry = take(_instantiate(ct_carry, prob.carry_avals), cmask)
+        ct_ys = take(_instantiate(ct_ys, prob.y_avals, lead=(prob.max_steps,)), ymask)
+        acc, ct_init, ct_xs = bwd(consts, xs, kd, res, steps, ct_carry, ct_ys)
+        g_consts = merge(acc, [None] * (len(consts) - len(acc)), kmask)
+        g_init = merge(ct_init, [None] * (len(cmask) - sum(cmask)), cmask)
+        g_xs = merge(ct_xs, [None] * (len(xmask) - sum(xmask)), xmask)
+        return g_consts, [None] * len(cconsts), g_init, g_xs, None, None
+
+    loop.defvjp(loop_fwd, loop_bwd)
+    return loop(consts, cconsts, init, xs, n, kd)
+
+
+def _instantiate(cts, avals, lead=()):
+    return [
+        jnp.zeros(lead + a.shape, a.dtype) if (c is None or _is_float0(c)) else c
+        for c, a in zip(cts, avals, strict=True)
+    ]
+
+
+def _is_float0(x):
+    return getattr(x, "dtype", None) == jax.dtypes.float0
+
+
+def run_while(prob: Problem, consts, cconsts, init, xs, n, kd):
+    """``lax.while_loop`` semantics with forward-mode AD; reverse mode raises a clear error."""
+
+    def plain(consts, init, xs, cconsts, n, kd):
+        carry, ys, steps, _ = forward_batched(
+            prob,
+            consts,
+            [None] * len(consts),
+            cconsts,
+            [None] * len(cconsts),
+            _expand(init),
+            _expand(xs),
+            n[None],
+            None if kd is None else kd[None],
+            store=False,
+        )
+        return _squeeze(carry), _squeeze(ys), steps[0]
+
+    @jax.custom_jvp
+    def loop(consts, init, xs, cconsts, n, kd):
+        return plain(consts, init, xs, cconsts, n, kd)
+
+    @loop.defjvp
+    def loop_jvp(primals, tangents):
+        consts, init, xs, cconsts, n, kd = primals
+        t_consts, t_init, t_xs = tangents[:3]
+        kmask = [is_diff(c) for c in consts]
+        cmask, xmask, ymask = prob.carry_mask, prob.x_mask, prob.y_mask
+        nk, nc, nx = len(consts), len(init), len(xs)
+
+        def step2(consts2, carry2, x2, key):
+            base, tk = consts2[:nk], consts2[nk:]
+            c, tc = carry2[:nc], carry2[nc:]
+            x, tx = x2[:nx], x2[nx:]
+
+            def f(kd_, cd, xd):
+                k_all = merge(kd_, take(base, kmask, False), kmask)
+                return prob.step(
+                    k_all,
+                    merge(cd, take(c, cmask, False), cmask),
+                    merge(xd, take(x, xmask, False), xmask),
+                    key,
+                )
+
+            (c_new, y), (tc_new, ty) = jax.jvp(
+                f, (take(base, kmask), take(c, cmask), take(x, xmask)), (tk, tc, tx)
+            )
+            return list(c_new) + take(list(tc_new), cmask), list(y) + take(list(ty), ymask)
+
+        def tangent_avals(avals, mask):
+            return tuple(a for a, m in zip(avals, mask, strict=True) if m)
+
+        prob2 = dataclasses.replace(
+            prob,
+            step=step2,
+            cond=None if prob.cond is None else (lambda cc, c2: prob.cond(cc, c2[:nc])),
+            carry_avals=prob.carry_avals + tangent_avals(prob.carry_avals, cmask),
+            x_avals=prob.x_avals + tangent_avals(prob.x_avals, xmask),
+            y_avals=prob.y_avals + tangent_avals(prob.y_avals, ymask),
+        )
+        consts2 = list(consts) + take(_instantiate(t_consts, consts), kmask)
+        init2 = list(init) + take(_instantiate(t_init, init), cmask)
+        xs2 = list(xs) + take(_instantiate(t_xs, xs), xmask)
+        carry2, ys2, steps = forward_batched(
+            prob2,
+            consts2,
+            [None] * len(consts2),
+            cconsts,
+            [None] * len(cconsts),
+            _expand(init2),
+            _expand(xs2),
+            n[None],
+            None if kd is None else kd[None],
+            store=False,
+        )[:3]
+        carry2, ys2 = _squeeze(carry2), _squeeze(ys2)
+        carry, tcarry = carry2[:nc], _reverse_guard(carry2[nc:])
+        ys, tys = ys2[: len(prob.y_avals)], _reverse_guard(ys2[len(prob.y_avals) :])
+        t_out_carry = merge(tcarry, [_float0_like(c) for c in take(carry, cmask, False)], cmask)
+        t_out_ys = merge(tys, [_float0_like(y) for y in take(ys, ymask, False)], ymask)
+        steps = steps[0]
+        return (carry, ys, steps), (t_out_carry, t_out_ys, _float0_like(steps))
+
+    return loop(consts, init, xs, cconsts, n, kd)
+
+
+def _float0_like(x):
+    return np.zeros(jnp.shape(x), dtype=jax.dtypes.float0)
+
+
+_REVERSE_MSG = (
+    'strategy="while" supports forward-mode differentiation (jvp, jacfwd) only; reverse mode '
+    '(grad, vjp, jacrev) needs strategy="checkpointed" (or "auto", which picks it), whose '
+    "forward and backward cost both follow the steps actually taken."
+)
+
+
+def _raise_reverse(_, ct):
+    raise TypeError(_REVERSE_MSG)
+
+
+def _reverse_guard(tangents: Leaves) -> Leaves:
+    """Identity on tangents whose transpose raises a clear error.
+
+    ``linear_call`` gives the custom transpose but has no batching rule: under ``vmap`` binding it
+    raises NotImplementedError at trace time. There the guard goes through a ``custom_vmap``
+    whose rule sees the unbatched values and applies the guard to them (recursively, for nested
+    vmaps), so the error survives ``grad(vmap(...))`` and ``jacfwd`` still works.
+    """
+    if not tangents:
+        return tangents
+    try:
+        return list(linear_call(lambda _, t: t, _raise_reverse, (), list(tangents)))
+    except NotImplementedError:
+        return list(_batched_guard(list(tangents)))
+
+
+@custom_vmap
+def _batched_guard(tangents):
+    return _reverse_guard(tangents)
+
+
+@_batched_guard.def_vmap
+def _batched_guard_rule(axis_size, in_batched, tangents):
+    return _reverse_guard(tangents), in_batched[0]
+
+
+def run_masked(prob: Problem, consts, cconsts, init, xs, n, kd):
+    """The seed's method: ``lax.scan`` over all ``max_steps`` with ``lax.cond``."""
+    T = prob.max_steps
+    zeros_y = [jnp.zeros(a.shape, a.dtype) for a in prob.y_avals]
+
+    def body(state, i):
+        carry, alive, steps = state
+        live = alive & (i < n)
+        if prob.cond is not None:
+            live = live & prob.cond(cconsts, carry)
+        x = [lax.dynamic_index_in_dim(a, i, 0, keepdims=False) for a in xs]
+        key = None if prob.keys is None else prob.keys.key_at(kd, i)
+
+        def run(carry):
+            c, y = prob.step(consts, carry, x, key)
+            return list(c), list(y)
+
+        carry, y = lax.cond(live, run, lambda c: (list(c), zeros_y), carry)
+        return (carry, live, steps + live.astype(jnp.int32)), y
+
+    init_state = (list(init), jnp.array(True), jnp.zeros((), jnp.int32))
+    (carry, _, steps), ys = lax.scan(body, init_state, jnp.arange(T, dtype=jnp.int32))
+    return carry, list(ys), steps
+
+
+STRATEGY_FNS = {"masked": run_masked, "while": run_while, "checkpointed": run_checkpointed}

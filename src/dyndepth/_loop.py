@@ -1,0 +1,399 @@
+"""Public loop primitives: ``repeat``, ``scan`` and ``while_loop``.
+
+All three build one :class:`~dyndepth._engine.Problem` and hand it to the strategy's runner; they
+differ only in how the user's function is wrapped into a step ``(carry, x, key) -> (carry, y)``
+and in the stop rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import _checks
+from ._engine import STRATEGY_FNS, Problem
+from ._keys import KeySchedule, check_key
+
+__all__ = ["repeat", "scan", "while_loop"]
+
+Strategy = Literal["auto", "masked", "while", "checkpointed"]
+
+
+def _strong(x: Any) -> jax.Array:
+    x = jnp.asarray(x)
+    return lax.convert_element_type(x, x.dtype) if getattr(x, "weak_type", False) else x
+
+
+def _hoist(fn: Callable, *example_args: Any):
+    """Closure-convert ``fn``: every value it closes over becomes an explicit argument.
+
+    Unlike ``jax.closure_convert`` this hoists *all* constants, tracers of an enclosing ``vmap``
+    included, so the loop internals (custom_vjp / custom_vmap) never close over a tracer.
+    """
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*example_args)
+    jaxpr, consts = closed.jaxpr, list(closed.consts)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+
+    def call(consts, *args):
+        out = jax.core.eval_jaxpr(jaxpr, consts, *jax.tree_util.tree_leaves(args))
+        return jax.tree_util.tree_unflatten(out_tree, out)
+
+    return call, consts, out_shape
+
+
+def _aval(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+
+
+def _build(
+    *,
+    step_fn: Callable,
+    fname: str,
+    init: Any,
+    xs: Any,
+    length: int,
+    n: jax.Array,
+    key: Any,
+    cond_fn: Callable | None,
+    strategy: str,
+    checkpoints: int | None,
+):
+    """Validate, closure-convert and run. Returns ``(carry, ys, steps)`` as pytrees."""
+    strategy = _checks.strategy_arg(strategy)
+    if strategy == "auto":
+        strategy = "checkpointed"
+    init = jax.tree_util.tree_map(_strong, init)
+    carry_leaves, carry_tree = jax.tree_util.tree_flatten(init)
+    xs_leaves, xs_tree = jax.tree_util.tree_flatten(xs)
+    x_example = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs)
+
+    keys = None
+    kd = None
+    key_example = None
+    if key is not None:
+        check_key(key)
+        keys = KeySchedule(key)
+        kd = keys.data
+        key_example = keys.key_at(kd, jnp.zeros((), jnp.int32))
+
+    init_example = jax.tree_util.tree_map(_aval, init)
+    call, consts, out_shape = _hoist(step_fn, init_example, x_example, key_example)
+    new_carry_shape, y_shape = out_shape
+    _checks.carry_matches(init_example, new_carry_shape, fname)
+    y_leaves_shape, y_tree = jax.tree_util.tree_flatten(y_shape)
+    dtypes = [a.dtype for a in carry_leaves]
+
+    def step(consts, c_leaves, x_leaves, k):
+        carry = jax.tree_util.tree_unflatten(carry_tree, c_leaves)
+        x = jax.tree_util.tree_unflatten(xs_tree, x_leaves)
+        new_carry, y = call(consts, carry, x, k)
+        new_leaves = [
+            jnp.asarray(a).astype(d)
+            for a, d in zip(jax.tree_util.tree_leaves(new_carry), dtypes, strict=True)
+        ]
+        return new_leaves, jax.tree_util.tree_leaves(y)
+
+    cond = None
+    cconsts: list[Any] = []
+    if cond_fn is not None:
+        ccall, cconsts, c_out = _hoist(cond_fn, init_example)
+        c_leaves = jax.tree_util.tree_leaves(c_out)
+        if len(c_leaves) != 1 or c_leaves[0].shape != () or np.dtype(c_leaves[0].dtype) != np.bool_:
+            got = ", ".join(f"{a.dtype}{list(a.shape)}" for a in c_leaves) or "nothing"
+            raise TypeError(
+                f"`cond_fun` must return a boolean scalar, got {got}; under vmap, write it for "
+                "one sample"
+            )
+
+        def cond(cc, c_leaves):
+            return ccall(cc, jax.tree_util.tree_unflatten(carry_tree, c_leaves))
+
+    prob = Problem(
+        step=step,
+        cond=cond,
+        carry_avals=tuple(_aval(a) for a in carry_leaves),
+        x_avals=tuple(jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in xs_leaves),
+        y_avals=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in y_leaves_shape),
+        max_steps=length,
+        checkpoints=checkpoints,
+        keys=keys,
+    )
+    if length == 0:
+        ys = [jnp.zeros((0,) + a.shape, a.dtype) for a in prob.y_avals]
+        carry_out, steps = carry_leaves, jnp.zeros((), jnp.int32)
+    else:
+        carry_out, ys, steps = STRATEGY_FNS[strategy](
+            prob, consts, cconsts, carry_leaves, xs_leaves, n, kd
+        )
+    return (
+        jax.tree_util.tree_unflatten(carry_tree, list(carry_out)),
+        jax.tree_util.tree_unflatten(y_tree, list(ys)),
+        steps,
+    )
+
+
+def repeat(
+    f: Callable,
+    init: Any,
+    depth: Any,
+    *,
+    max_depth: int,
+    key: Any = None,
+    strategy: Strategy = "auto",
+    checkpoints: int | None = None,
+) -> Any:
+    """Apply ``f`` to ``init`` ``depth`` times, where ``depth`` may be traced or batched.
+
+    The plain-Python meaning (``key`` given; without it, ``f`` takes the carry alone)::
+
+        def repeat(f, init, depth, *, max_depth, key):
+            carry = init
+            for i in range(min(max(depth, 0), max_depth)):
+                carry = f(carry, dyndepth.step_key(key, i))
+            return carry
+
+    **Arguments:**
+
+    - ``f``: ``f(carry) -> carry``, or ``f(carry, key) -> carry`` when ``key`` is given. It must
+      return a carry of the same pytree structure, shapes and dtypes as ``init``. Parameters it
+      closes over receive gradients.
+    - ``init``: any pytree of arrays (float, int and bool leaves; zero-size arrays allowed).
+    - ``depth``: a Python int or an integer scalar array. It may be traced under ``jit`` and
+      batched under ``vmap`` (one depth per sample). A concrete value outside
+      ``[0, max_depth]`` raises; a traced one is clamped into that range.
+    - ``max_depth``: static Python int ``>= 0``, the largest depth the loop can run; it sizes
+      the buffers, it does not set the cost.
+    - ``key``: optional PRNG key (``jax.random.key`` or ``jax.random.PRNGKey``). Step ``i``
+      receives ``dyndepth.step_key(key, i) == jax.random.fold_in(key, i)``.
+    - ``strategy``: ``"auto"`` (default), ``"masked"``, ``"while"`` or ``"checkpointed"``:
+
+      ==============  =========================================  =================================
+      strategy        transformations                            cost
+      ==============  =========================================  =================================
+      ``"masked"``    jit, vmap, grad, jvp, all orders           ``max_depth`` steps always
+                                                                 (the seed's scan + cond); under
+                                                                 vmap, shared parameters are
+                                                                 broadcast to the batch
+      ``"while"``     jit, vmap, jvp/jacfwd; reverse mode        ``depth`` steps
+                      raises a TypeError
+      ``"checkpoint   jit, vmap, grad/vjp/jacrev, forward-over-  forward and backward follow
+      ed"``           reverse (hvp); not jvp of the loop itself  ``depth``: ``2 * depth`` step
+                                                                 evaluations with all carries
+                                                                 stored
+      ``"auto"``      as ``"checkpointed"``                      as ``"checkpointed"``; without a
+                                                                 gradient it runs exactly the
+                                                                 ``"while"`` loop
+      ==============  =========================================  =================================
+
+      Under ``vmap`` with per-sample depths, ``"while"``, ``"checkpointed"`` and ``"auto"`` run
+      the batch until its deepest sample is done, masking finished samples; parameters shared by
+      the batch are never broadcast, and their gradient is summed inside the backward loop.
+    - ``checkpoints``: ``None`` stores every carry for the backward pass (``max_depth`` carries
+      of memory, ``2 * depth`` step evaluations). An int ``K >= 1`` stores at most ``K``
+      checkpoints, evenly spaced over the steps actually taken (spacing doubles when the slots
+      fill up), and recomputes the carries between two checkpoints during the backward pass
+      into a buffer of ``S`` carries, ``S`` the smallest power of two with
+      ``ceil(max_depth / S) <= K``. Memory: ``K + S`` carries; step evaluations: at most
+      ``3 * depth`` (exactly ``2 * depth`` when ``depth <= K``).
+
+    **Returns:** the carry after ``min(max(depth, 0), max_depth)`` applications of ``f``.
+    ``depth == 0`` returns ``init``.
+
+    **Raises** (at trace time): ``TypeError`` if ``f`` is not callable, if ``key`` is not a PRNG
+    key, if ``depth`` is not an integer, or if ``f`` changes the carry's structure, shape or
+    dtype (the message names the leaf); ``ValueError`` if ``max_depth`` is negative, a concrete
+    ``depth`` is out of range, ``depth`` is not a scalar, ``checkpoints < 1`` or ``strategy`` is
+    unknown. ``TypeError`` for a non-int ``max_depth``/``checkpoints``.
+    """
+    _checks.callable_arg(f, "f")
+    max_depth = _checks.static_nonneg_int(max_depth, "max_depth")
+    checkpoints = _checks.checkpoints_arg(checkpoints)
+    n = _checks.count_arg(depth, "depth", "max_depth", max_depth)
+    if key is None:
+
+        def step_fn(carry, x, k):
+            return f(carry), None
+    else:
+
+        def step_fn(carry, x, k):
+            return f(carry, k), None
+
+    carry, _, _ = _build(
+        step_fn=step_fn,
+        fname="f",
+        init=init,
+        xs=None,
+        length=max_depth,
+        n=n,
+        key=key,
+        cond_fn=None,
+        strategy=strategy,
+        checkpoints=checkpoints,
+    )
+    return carry
+
+
+def scan(
+    f: Callable,
+    init: Any,
+    xs: Any = None,
+    *,
+    depth: Any,
+    length: int | None = None,
+    key: Any = None,
+    strategy: Strategy = "auto",
+    checkpoints: int | None = None,
+) -> tuple[Any, Any]:
+    """Like ``lax.scan``, but only the first ``depth`` of the ``length`` steps run.
+
+    The plain-Python meaning (``key`` given; without it, ``f`` takes ``(carry, x)``)::
+
+        def scan(f, init, xs, *, depth, length, key):
+            carry, ys = init, []
+            for i in range(length):
+                if i < depth:
+                    carry, y = f(carry, xs[i], dyndepth.step_key(key, i))
+                else:
+                    y = zeros_like(y)
+                ys.append(y)
+            return carry, stack(ys)
+
+    **Arguments:** as :func:`repeat`, plus ``xs`` (a pytree of arrays with a common leading axis
+    of size ``length``, or ``None``; ``f`` then receives ``None`` as ``x``) and ``length`` (a
+    static int; required when ``xs`` is ``None``, else it must equal the leading axis of
+    ``xs``). ``f(carry, x) -> (carry, y)``, or ``f(carry, x, key)`` when ``key`` is given;
+    ``y`` is any pytree of arrays (or ``None``). ``depth`` is a loop count in
+    ``[0, length]``, traced values clamped into it.
+
+    **Returns:** ``(carry, ys)``: ``ys`` stacks the per-step outputs along a leading axis of size
+    ``length``; rows at steps ``>= depth`` are zeros. Per-step losses (progressive loss,
+    halting) are built on this.
+
+    **Transformations, strategies, checkpoints, cost:** as :func:`repeat`. The ``ys`` buffer is
+    not part of the stored carry, so checkpoint memory does not grow with ``length * y``.
+
+    **Raises:** as :func:`repeat`; ``ValueError`` when the leading axes of ``xs`` disagree with
+    each other or with ``length``, or when neither ``xs`` nor ``length`` is given.
+    """
+    _checks.callable_arg(f, "f")
+    checkpoints = _checks.checkpoints_arg(checkpoints)
+    xs_leaves = jax.tree_util.tree_leaves(xs)
+    if length is not None:
+        length = _checks.static_nonneg_int(length, "length")
+    if xs_leaves:
+        for path, leaf in jax.tree_util.tree_leaves_with_path(xs):
+            if jnp.ndim(leaf) == 0:
+                raise ValueError(
+                    f"every leaf of `xs` needs a leading axis to scan over; xs"
+                    f"{_checks.keystr(path)} is a scalar"
+                )
+        lens = {int(jnp.shape(a)[0]) for a in xs_leaves}
+        if len(lens) != 1:
+            raise ValueError(f"the leaves of `xs` have different leading axes: {sorted(lens)}")
+        (xs_len,) = lens
+        if length is not None and length != xs_len:
+            raise ValueError(f"`length`={length} but the leading axis of `xs` is {xs_len}")
+        length = xs_len
+    elif length is None:
+        raise ValueError("`scan` needs `xs` or `length` to know how many steps there can be")
+    xs = jax.tree_util.tree_map(jnp.asarray, xs)
+    n = _checks.count_arg(depth, "depth", "length", length)
+    if key is None:
+
+        def step_fn(carry, x, k):
+            return f(carry, x)
+    else:
+
+        def step_fn(carry, x, k):
+            return f(carry, x, k)
+
+    carry, ys, _ = _build(
+        step_fn=step_fn,
+        fname="f",
+        init=init,
+        xs=xs,
+        length=length,
+        n=n,
+        key=key,
+        cond_fn=None,
+        strategy=strategy,
+        checkpoints=checkpoints,
+    )
+    return carry, ys
+
+
+def while_loop(
+    cond_fun: Callable,
+    body_fun: Callable,
+    init: Any,
+    *,
+    max_steps: int,
+    key: Any = None,
+    strategy: Strategy = "auto",
+    checkpoints: int | None = None,
+    return_steps: bool = False,
+) -> Any:
+    """A bounded while loop with a data-dependent stop, reverse-differentiable.
+
+    The plain-Python meaning (``key`` given; without it, ``body_fun`` takes the carry alone)::
+
+        def while_loop(cond_fun, body_fun, init, *, max_steps, key):
+            carry, i = init, 0
+            while i < max_steps and cond_fun(carry):
+                carry = body_fun(carry, dyndepth.step_key(key, i))
+                i += 1
+            return (carry, i) if return_steps else carry
+
+    **Arguments:**
+
+    - ``cond_fun``: ``cond_fun(carry) -> bool`` scalar. It receives no gradient; what it closes
+      over is treated as a constant.
+    - ``body_fun``: ``body_fun(carry) -> carry`` (or ``body_fun(carry, key)``), keeping the
+      carry's structure, shapes and dtypes.
+    - ``init``, ``key``, ``strategy``, ``checkpoints``: as :func:`repeat`, with ``max_steps`` in
+      place of ``max_depth``.
+    - ``max_steps``: static Python int ``>= 0``; the loop stops there even if ``cond_fun`` still
+      holds.
+    - ``return_steps``: also return the number of steps taken (an int32 scalar).
+
+    **Transformations:** as :func:`repeat` for each strategy. Under ``vmap`` with a per-sample
+    predicate, every sample stops at its own step; finished samples are masked.
+
+    **Cost:** forward and backward follow the steps actually taken (``"masked"``: always
+    ``max_steps``). With ``checkpoints=K``, step evaluations in forward + backward are at most
+    ``3 * steps``, and exactly ``2 * steps`` when ``steps <= K`` (or ``checkpoints=None``).
+
+    **Raises:** as :func:`repeat`; ``TypeError`` when ``cond_fun`` is not callable or does not
+    return a boolean scalar.
+    """
+    _checks.callable_arg(cond_fun, "cond_fun")
+    _checks.callable_arg(body_fun, "body_fun")
+    max_steps = _checks.static_nonneg_int(max_steps, "max_steps")
+    checkpoints = _checks.checkpoints_arg(checkpoints)
+    if key is None:
+
+        def step_fn(carry, x, k):
+            return body_fun(carry), None
+    else:
+
+        def step_fn(carry, x, k):
+            return body_fun(carry, k), None
+
+    carry, _, steps = _build(
+        step_fn=step_fn,
+        fname="body_fun",
+        init=init,
+        xs=None,
+        length=max_steps,
+        n=jnp.asarray(max_steps, jnp.int32),
+        key=key,
+        cond_fn=cond_fun,
+        strategy=strategy,
+        checkpoints=checkpoints,
+    )
+    return (carry, steps) if return_steps else carry

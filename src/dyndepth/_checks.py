@@ -1,4 +1,4 @@
-"""Argument validation shared by the public functions. Every error names the argument and its value."""
+"""Argument validation shared by the public functions; every error names the argument."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ STRATEGIES = ("auto", "masked", "while", "checkpointed")
 
 
 def static_nonneg_int(value: Any, name: str, *, minimum: int = 0) -> int:
-    """A static Python int >= minimum (numpy integers accepted; bools, floats and arrays are not)."""
+    """A static Python int >= minimum (numpy ints accepted; bools, floats, arrays are not)."""
     if isinstance(value, bool) or isinstance(value, jax.Array):
         raise TypeError(
             f"`{name}` must be a static Python int >= {minimum}, got {type(value).__name__}: "

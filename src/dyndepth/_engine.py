@@ -255,7 +255,10 @@ def backward_batched(prob: Problem, consts, c_axes, xs, kd, res, steps, ct_carry
         ct_c = [jnp.where(bcast(act, c), c, 0) for c in ct_c]
         ct_y = [jnp.where(bcast(act, c), c, 0) for c in ct_y]
         g_k, g_c, g_x = pullback((ct_c, ct_y))
-        g_k = [jnp.where(bcast(act, g), g, 0) if ax == 0 else g for g, ax in zip(g_k, d_axes)]
+        g_k = [
+            jnp.where(bcast(act, g), g, 0) if ax == 0 else g
+            for g, ax in zip(g_k, d_axes, strict=True)
+        ]
         return g_k, g_c, g_x
 
     def reverse_step(s, idx, state_c, act):
@@ -326,7 +329,10 @@ def _squeeze(leaves):
 
 
 def _batch(leaves, batched, B):
-    return [x if b else jnp.broadcast_to(x, (B,) + jnp.shape(x)) for x, b in zip(leaves, batched)]
+    return [
+        x if b else jnp.broadcast_to(x, (B,) + jnp.shape(x))
+        for x, b in zip(leaves, batched, strict=True)
+    ]
 
 
 def _axes(batched):

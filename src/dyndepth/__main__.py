@@ -1,0 +1,5 @@
+import sys
+
+from dyndepth._cli import main
+
+sys.exit(main())

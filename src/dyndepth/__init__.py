@@ -8,6 +8,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ._keys import step_key as step_key
 from ._loop import repeat as repeat
+from ._loop import repeat_batched as repeat_batched
 from ._loop import scan as scan
 from ._loop import while_loop as while_loop
 
@@ -16,4 +17,4 @@ try:
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
-__all__ = ["repeat", "scan", "step_key", "while_loop"]
+__all__ = ["repeat", "repeat_batched", "scan", "step_key", "while_loop"]

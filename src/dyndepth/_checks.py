@@ -37,6 +37,12 @@ def checkpoints_arg(checkpoints: Any) -> int | None:
     return static_nonneg_int(checkpoints, "checkpoints", minimum=1)
 
 
+def slots_arg(slots: Any) -> int | None:
+    if slots is None:
+        return None
+    return static_nonneg_int(slots, "slots", minimum=1)
+
+
 def strategy_arg(strategy: Any) -> str:
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise ValueError(f"`strategy` must be one of {STRATEGIES}, got {strategy!r}")
@@ -114,4 +120,39 @@ def carry_matches(init: Any, out: Any, fname: str) -> None:
                     if tuple(a.shape) == tuple(b.shape)
                     else ""
                 )
+            )
+
+
+def batch_counts_arg(value: Any, name: str, max_name: str, max_value: int) -> jax.Array:
+    """A (B,) integer array of per-sample counts; concrete values are range-checked."""
+    dtype = getattr(value, "dtype", None)
+    shape = getattr(value, "shape", None)
+    if isinstance(value, list | tuple):
+        value = np.asarray(value)
+        dtype, shape = value.dtype, value.shape
+    if dtype is None or shape is None:
+        raise TypeError(f"`{name}` must be an integer array of shape (B,), got {value!r}")
+    if not jnp.issubdtype(dtype, jnp.integer) or np.dtype(dtype) == np.bool_:
+        raise TypeError(f"`{name}` must have an integer dtype, got dtype {dtype}")
+    if len(shape) != 1 or shape[0] == 0:
+        raise ValueError(f"`{name}` must have shape (B,) with B >= 1, got shape {tuple(shape)}")
+    if not isinstance(value, jax.core.Tracer):
+        arr = np.asarray(value)
+        bad = np.nonzero((arr < 0) | (arr > max_value))[0]
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(
+                f"`{name}` must lie in [0, {max_name}] = [0, {max_value}], got {int(arr[b])} at "
+                f"batch index {b}"
+            )
+    return jnp.clip(jnp.asarray(value).astype(jnp.int32), 0, max_value)
+
+
+def leading_axis(tree: Any, name: str, B: int) -> None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        shape = jnp.shape(leaf)
+        if not shape or shape[0] != B:
+            raise ValueError(
+                f"every leaf of `{name}` needs a leading batch axis of size {B} (from `depths`); "
+                f"{name}{keystr(path)} has shape {tuple(shape)}"
             )

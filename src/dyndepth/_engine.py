@@ -102,6 +102,8 @@ class Problem:
     max_steps: int
     checkpoints: int | None
     keys: KeySchedule | None
+    schedule: bool = False
+    sched_slots: int | None = None
 
     @property
     def slots(self) -> int:
@@ -191,9 +193,21 @@ def forward_batched(prob: Problem, consts, c_axes, cconsts, cc_axes, init, xs, n
         s["act"] = act & _active(prob, cconsts, cc_axes, s["i"], n, s["carry"])
         return s
 
-    out = lax.while_loop(lambda s: jnp.any(s["act"]), body, state)
+    state["iters"] = jnp.zeros((), jnp.int32)
+
+    def counted(s):
+        s = body(s)
+        s["iters"] = s["iters"] + 1
+        return s
+
+    out = lax.while_loop(lambda s: jnp.any(s["act"]), counted, state)
     res = (out["buf"], out["stride"]) if store else None
-    return out["carry"], out["ys"], out["i"], res
+    return out["carry"], out["ys"], out["i"], res, stats_of(out["iters"], B)
+
+
+def stats_of(iterations, slots):
+    """``[loop iterations, executed sample-steps]`` as an int32 vector."""
+    return jnp.stack([iterations, iterations * slots]).astype(jnp.int32)
 
 
 def _store(prob, s, i, act, carry):
@@ -343,13 +357,26 @@ def _flat_batched(tree_batched) -> list[bool]:
     return [bool(b) for b in jax.tree_util.tree_leaves(tree_batched)]
 
 
+def _steps_batched(prob: Problem, n_batched: bool) -> bool:
+    """Whether samples of a vmapped loop can stop at different steps."""
+    return bool(n_batched) or prob.cond is not None
+
+
+def _slots(prob: Problem, B: int) -> int:
+    from ._schedule import default_slots
+
+    return default_slots(B) if prob.sched_slots is None else prob.sched_slots
+
+
 def _make_fwd(prob: Problem, store: bool):
-    """The forward loop as a custom_vmap function of unbatched arguments."""
+    """The forward loop as a custom_vmap function of unbatched arguments.
+
+    Returns ``(carry, ys, steps, stats)`` (+ residuals with ``store``)."""
 
     @custom_vmap
     def fwd(consts, cconsts, init, xs, n, kd):
         c_axes, cc_axes = [None] * len(consts), [None] * len(cconsts)
-        carry, ys, steps, res = forward_batched(
+        carry, ys, steps, res, stats = forward_batched(
             prob,
             consts,
             c_axes,
@@ -361,7 +388,7 @@ def _make_fwd(prob: Problem, store: bool):
             None if kd is None else kd[None],
             store=store,
         )
-        out = (_squeeze(carry), _squeeze(ys), steps[0])
+        out = (_squeeze(carry), _squeeze(ys), steps[0], stats)
         if store:
             out = out + ((_squeeze(res[0]), res[1][0]),)
         return out
@@ -372,14 +399,29 @@ def _make_fwd(prob: Problem, store: bool):
         B = axis_size
         init = _batch(init, ib, B)
         xs = _batch(xs, xb, B)
+        per_sample = _steps_batched(prob, nb)
         n = _batch([n], [nb], B)[0]
         if kd is not None:
             kd = _batch([kd], [kb], B)[0]
-        carry, ys, steps, res = forward_batched(
-            prob, consts, _axes(cb), cconsts, _axes(ccb), init, xs, n, kd, store=store
-        )
-        out = (carry, ys, steps) + ((res,) if store else ())
-        return out, jax.tree_util.tree_map(lambda _: True, out)
+        args = (prob, consts, _axes(cb), cconsts, _axes(ccb), init, xs, n, kd)
+        if prob.schedule and per_sample and B > 1:
+            from ._schedule import forward_scheduled
+
+            out = forward_scheduled(
+                *args, store=store, slots=_slots(prob, B), by_length=prob.cond is None
+            )
+        else:
+            out = forward_batched(*args, store=store)
+        carry, ys, steps, res, stats = out
+        steps_out = steps if per_sample else steps[0]
+        outs = (carry, ys, steps_out, stats) + ((res,) if store else ())
+        batched = (
+            [True] * len(carry),
+            [True] * len(ys),
+            per_sample,
+            False,
+        ) + ((jax.tree_util.tree_map(lambda _: True, res),) if store else ())
+        return outs, batched
 
     return fwd
 
@@ -416,9 +458,13 @@ def _make_bwd(prob: Problem):
         ct_carry = _batch(ct_carry, ctb, B)
         ct_ys = _batch(ct_ys, ctyb, B)
         c_axes = _axes(cb)
-        acc, ct, ct_xs = backward_batched(
-            prob, consts, c_axes, xs, kd, (buf, stride), steps, ct_carry, ct_ys
-        )
+        args = (prob, consts, c_axes, xs, kd, (buf, stride), steps, ct_carry, ct_ys)
+        if prob.schedule and sb and B > 1 and not prob.thinning:
+            from ._schedule import backward_scheduled
+
+            acc, ct, ct_xs = backward_scheduled(*args, slots=_slots(prob, B))
+        else:
+            acc, ct, ct_xs = backward_batched(*args)
         kmask = [is_diff(c) for c in consts]
         acc_b = [ax == 0 for ax in take(c_axes, kmask)]
         return (acc, ct, ct_xs), (acc_b, [True] * len(ct), [True] * len(ct_xs))
@@ -441,12 +487,12 @@ def run_checkpointed(prob: Problem, consts, cconsts, init, xs, n, kd):
         return fwd_plain(consts, cconsts, init, xs, n, kd)
 
     def loop_fwd(consts, cconsts, init, xs, n, kd):
-        carry, ys, steps, res = fwd_store(consts, cconsts, init, xs, n, kd)
-        return (carry, ys, steps), (consts, xs, kd, res, steps)
+        carry, ys, steps, stats, res = fwd_store(consts, cconsts, init, xs, n, kd)
+        return (carry, ys, steps, stats), (consts, xs, kd, res, steps)
 
     def loop_bwd(saved, cts):
         consts, xs, kd, res, steps = saved
-        ct_carry, ct_ys, _ = cts
+        ct_carry, ct_ys = cts[:2]
         ct_carry = take(_instantiate(ct_carry, prob.carry_avals), cmask)
         ct_ys = take(_instantiate(ct_ys, prob.y_avals, lead=(prob.max_steps,)), ymask)
         acc, ct_init, ct_xs = bwd(consts, xs, kd, res, steps, ct_carry, ct_ys)
@@ -474,7 +520,7 @@ def run_while(prob: Problem, consts, cconsts, init, xs, n, kd):
     """``lax.while_loop`` semantics with forward-mode AD; reverse mode raises a clear error."""
 
     def plain(consts, init, xs, cconsts, n, kd):
-        carry, ys, steps, _ = forward_batched(
+        carry, ys, steps, _, stats = forward_batched(
             prob,
             consts,
             [None] * len(consts),
@@ -486,7 +532,7 @@ def run_while(prob: Problem, consts, cconsts, init, xs, n, kd):
             None if kd is None else kd[None],
             store=False,
         )
-        return _squeeze(carry), _squeeze(ys), steps[0]
+        return _squeeze(carry), _squeeze(ys), steps[0], stats
 
     @jax.custom_jvp
     def loop(consts, init, xs, cconsts, n, kd):
@@ -533,7 +579,7 @@ def run_while(prob: Problem, consts, cconsts, init, xs, n, kd):
         consts2 = list(consts) + take(_instantiate(t_consts, consts), kmask)
         init2 = list(init) + take(_instantiate(t_init, init), cmask)
         xs2 = list(xs) + take(_instantiate(t_xs, xs), xmask)
-        carry2, ys2, steps = forward_batched(
+        carry2, ys2, steps, _, stats = forward_batched(
             prob2,
             consts2,
             [None] * len(consts2),
@@ -544,14 +590,19 @@ def run_while(prob: Problem, consts, cconsts, init, xs, n, kd):
             n[None],
             None if kd is None else kd[None],
             store=False,
-        )[:3]
+        )
         carry2, ys2 = _squeeze(carry2), _squeeze(ys2)
         carry, tcarry = carry2[:nc], _reverse_guard(carry2[nc:])
         ys, tys = ys2[: len(prob.y_avals)], _reverse_guard(ys2[len(prob.y_avals) :])
         t_out_carry = merge(tcarry, [_float0_like(c) for c in take(carry, cmask, False)], cmask)
         t_out_ys = merge(tys, [_float0_like(y) for y in take(ys, ymask, False)], ymask)
         steps = steps[0]
-        return (carry, ys, steps), (t_out_carry, t_out_ys, _float0_like(steps))
+        return (carry, ys, steps, stats), (
+            t_out_carry,
+            t_out_ys,
+            _float0_like(steps),
+            _float0_like(stats),
+        )
 
     return loop(consts, init, xs, cconsts, n, kd)
 
@@ -619,7 +670,12 @@ def run_masked(prob: Problem, consts, cconsts, init, xs, n, kd):
 
     init_state = (list(init), jnp.array(True), jnp.zeros((), jnp.int32))
     (carry, _, steps), ys = lax.scan(body, init_state, jnp.arange(T, dtype=jnp.int32))
-    return carry, list(ys), steps
+    return carry, list(ys), steps, stats_of(jnp.asarray(T, jnp.int32), 1)
 
 
-STRATEGY_FNS = {"masked": run_masked, "while": run_while, "checkpointed": run_checkpointed}
+STRATEGY_FNS = {
+    "masked": run_masked,
+    "while": run_while,
+    "checkpointed": run_checkpointed,
+    "auto": run_checkpointed,
+}

@@ -19,7 +19,7 @@ from . import _checks
 from ._engine import STRATEGY_FNS, Problem
 from ._keys import KeySchedule, check_key
 
-__all__ = ["repeat", "scan", "while_loop"]
+__all__ = ["repeat", "repeat_batched", "scan", "while_loop"]
 
 Strategy = Literal["auto", "masked", "while", "checkpointed"]
 
@@ -62,11 +62,10 @@ def _build(
     cond_fn: Callable | None,
     strategy: str,
     checkpoints: int | None,
+    slots: int | None = None,
 ):
-    """Validate, closure-convert and run. Returns ``(carry, ys, steps)`` as pytrees."""
+    """Validate, closure-convert and run. Returns ``(carry, ys, steps, stats)``."""
     strategy = _checks.strategy_arg(strategy)
-    if strategy == "auto":
-        strategy = "checkpointed"
     init = jax.tree_util.tree_map(_strong, init)
     carry_leaves, carry_tree = jax.tree_util.tree_flatten(init)
     xs_leaves, xs_tree = jax.tree_util.tree_flatten(xs)
@@ -122,18 +121,22 @@ def _build(
         max_steps=length,
         checkpoints=checkpoints,
         keys=keys,
+        schedule=strategy == "auto",
+        sched_slots=slots,
     )
     if length == 0:
         ys = [jnp.zeros((0,) + a.shape, a.dtype) for a in prob.y_avals]
         carry_out, steps = carry_leaves, jnp.zeros((), jnp.int32)
+        stats = jnp.zeros((2,), jnp.int32)
     else:
-        carry_out, ys, steps = STRATEGY_FNS[strategy](
+        carry_out, ys, steps, stats = STRATEGY_FNS[strategy](
             prob, consts, cconsts, carry_leaves, xs_leaves, n, kd
         )
     return (
         jax.tree_util.tree_unflatten(carry_tree, list(carry_out)),
         jax.tree_util.tree_unflatten(y_tree, list(ys)),
         steps,
+        stats,
     )
 
 
@@ -146,6 +149,7 @@ def repeat(
     key: Any = None,
     strategy: Strategy = "auto",
     checkpoints: int | None = None,
+    slots: int | None = None,
 ) -> Any:
     """Apply ``f`` to ``init`` ``depth`` times, where ``depth`` may be traced or batched.
 
@@ -185,14 +189,17 @@ def repeat(
       ed"``           reverse (hvp); not jvp of the loop itself  ``depth``: ``2 * depth`` step
                                                                  evaluations with all carries
                                                                  stored
-      ``"auto"``      as ``"checkpointed"``                      as ``"checkpointed"``; without a
-                                                                 gradient it runs exactly the
-                                                                 ``"while"`` loop
+      ``"auto"``      as ``"checkpointed"``                      as ``"checkpointed"``, and under
+                                                                 ``vmap`` with per-sample depths
+                                                                 the per-sample scheduler: work
+                                                                 close to ``sum(depth)``, forward
+                                                                 and backward
       ==============  =========================================  =================================
 
-      Under ``vmap`` with per-sample depths, ``"while"``, ``"checkpointed"`` and ``"auto"`` run
-      the batch until its deepest sample is done, masking finished samples; parameters shared by
-      the batch are never broadcast, and their gradient is summed inside the backward loop.
+      Under ``vmap`` with per-sample depths, ``"while"`` and ``"checkpointed"`` run the batch
+      until its deepest sample is done, masking finished samples (``B * max(depth)`` sample
+      steps); ``"auto"`` schedules samples into slots (about ``sum(depth)``). Parameters shared
+      by the batch are never broadcast, and their gradient is summed inside the backward loop.
     - ``checkpoints``: ``None`` stores every carry for the backward pass (``max_depth`` carries
       of memory, ``2 * depth`` step evaluations). An int ``K >= 1`` stores at most ``K``
       checkpoints, evenly spaced over the steps actually taken (spacing doubles when the slots
@@ -200,6 +207,11 @@ def repeat(
       into a buffer of ``S`` carries, ``S`` the smallest power of two with
       ``ceil(max_depth / S) <= K``. Memory: ``K + S`` carries; step evaluations: at most
       ``3 * depth`` (exactly ``2 * depth`` when ``depth <= K``).
+
+    - ``slots``: under ``vmap`` with per-sample depths, ``"auto"`` runs the batch through the
+      per-sample scheduler (see :func:`repeat_batched`) with this many slots; ``None`` picks
+      ``ceil(B / 4)`` for batches above 8 (else ``B``). Ignored by the other strategies and
+      outside ``vmap``.
 
     **Returns:** the carry after ``min(max(depth, 0), max_depth)`` applications of ``f``.
     ``depth == 0`` returns ``init``.
@@ -213,6 +225,7 @@ def repeat(
     _checks.callable_arg(f, "f")
     max_depth = _checks.static_nonneg_int(max_depth, "max_depth")
     checkpoints = _checks.checkpoints_arg(checkpoints)
+    slots = _checks.slots_arg(slots)
     n = _checks.count_arg(depth, "depth", "max_depth", max_depth)
     if key is None:
 
@@ -223,7 +236,7 @@ def repeat(
         def step_fn(carry, x, k):
             return f(carry, k), None
 
-    carry, _, _ = _build(
+    carry, _, _, _ = _build(
         step_fn=step_fn,
         fname="f",
         init=init,
@@ -234,6 +247,7 @@ def repeat(
         cond_fn=None,
         strategy=strategy,
         checkpoints=checkpoints,
+        slots=slots,
     )
     return carry
 
@@ -248,6 +262,7 @@ def scan(
     key: Any = None,
     strategy: Strategy = "auto",
     checkpoints: int | None = None,
+    slots: int | None = None,
 ) -> tuple[Any, Any]:
     """Like ``lax.scan``, but only the first ``depth`` of the ``length`` steps run.
 
@@ -282,6 +297,7 @@ def scan(
     """
     _checks.callable_arg(f, "f")
     checkpoints = _checks.checkpoints_arg(checkpoints)
+    slots = _checks.slots_arg(slots)
     xs_leaves = jax.tree_util.tree_leaves(xs)
     if length is not None:
         length = _checks.static_nonneg_int(length, "length")
@@ -312,7 +328,7 @@ def scan(
         def step_fn(carry, x, k):
             return f(carry, x, k)
 
-    carry, ys, _ = _build(
+    carry, ys, _, _ = _build(
         step_fn=step_fn,
         fname="f",
         init=init,
@@ -323,6 +339,7 @@ def scan(
         cond_fn=None,
         strategy=strategy,
         checkpoints=checkpoints,
+        slots=slots,
     )
     return carry, ys
 
@@ -337,6 +354,7 @@ def while_loop(
     strategy: Strategy = "auto",
     checkpoints: int | None = None,
     return_steps: bool = False,
+    slots: int | None = None,
 ) -> Any:
     """A bounded while loop with a data-dependent stop, reverse-differentiable.
 
@@ -375,6 +393,7 @@ def while_loop(
     _checks.callable_arg(body_fun, "body_fun")
     max_steps = _checks.static_nonneg_int(max_steps, "max_steps")
     checkpoints = _checks.checkpoints_arg(checkpoints)
+    slots = _checks.slots_arg(slots)
     if key is None:
 
         def step_fn(carry, x, k):
@@ -384,7 +403,7 @@ def while_loop(
         def step_fn(carry, x, k):
             return body_fun(carry, k), None
 
-    carry, _, steps = _build(
+    carry, _, steps, _ = _build(
         step_fn=step_fn,
         fname="body_fun",
         init=init,
@@ -395,5 +414,103 @@ def while_loop(
         cond_fn=cond_fun,
         strategy=strategy,
         checkpoints=checkpoints,
+        slots=slots,
     )
     return (carry, steps) if return_steps else carry
+
+
+def repeat_batched(
+    f: Callable,
+    inits: Any,
+    depths: Any,
+    *,
+    max_depth: int,
+    keys: Any = None,
+    slots: int | None = None,
+    checkpoints: int | None = None,
+    return_stats: bool = False,
+) -> Any:
+    """Per-sample depths for a batch, scheduled so that the work is close to ``sum(depths)``.
+
+    The plain-Python meaning::
+
+        def repeat_batched(f, inits, depths, *, max_depth, keys):
+            return stack([repeat(f, inits[b], depths[b], max_depth=max_depth, key=keys[b])
+                          for b in range(len(depths))])
+
+    ``f`` acts on one sample. The batch runs in ``slots`` slots (static shapes): at every loop
+    iteration ``f`` is applied to all slots at once; when a sample reaches its depth, its carry is
+    written out and the next pending sample is loaded into the slot. Samples start longest
+    first, so the tail stays short. The backward pass is scheduled the same way: each slot runs
+    one sample's reverse sweep from its depth down to 0 (with ``checkpoints=None``; with
+    ``checkpoints=K`` the backward pass runs unscheduled, masked over the batch). Every sample
+    gets exactly the keys it gets alone: ``step_key(keys[b], i)``.
+
+    **Arguments:**
+
+    - ``f``: ``f(carry) -> carry`` or ``f(carry, key) -> carry`` (with ``keys``), on one sample.
+    - ``inits``: a pytree whose leaves share a leading batch axis of size ``B``.
+    - ``depths``: an integer array of shape ``(B,)``; may be traced. Concrete values outside
+      ``[0, max_depth]`` raise, traced ones are clamped.
+    - ``max_depth``: static int ``>= 0``.
+    - ``keys``: ``None`` or a batch of ``B`` keys (``jax.random.split(key, B)``).
+    - ``slots``: static int ``>= 1``; ``None`` picks ``ceil(B / 4)`` for ``B > 8``, else ``B``.
+      Executed sample-steps are ``slots x iterations``; fewer slots waste less on skewed depth
+      distributions, more slots take fewer iterations.
+    - ``checkpoints``: as :func:`repeat`.
+    - ``return_stats``: also return a dict of int32 scalars: ``iterations`` (loop iterations of
+      the forward pass), ``executed_sample_steps`` (``slots x iterations``), and
+      ``useful_sample_steps`` (``sum(depths)``).
+
+    **Transformations:** jit, vmap (a batch of batches: the outer vmap masks), grad, vjp, jacrev,
+    forward-over-reverse. Not jvp (use ``jax.vmap(repeat, ...)`` with ``strategy="while"``).
+
+    **Returns:** the batch of final carries (and the stats dict with ``return_stats``).
+
+    **Raises:** as :func:`repeat`; ``ValueError`` if ``depths`` is not of shape ``(B,)`` or the
+    leading axes of ``inits``/``keys`` differ from ``B``.
+    """
+    _checks.callable_arg(f, "f")
+    max_depth = _checks.static_nonneg_int(max_depth, "max_depth")
+    slots = _checks.slots_arg(slots)
+    checkpoints = _checks.checkpoints_arg(checkpoints)
+    depths = _checks.batch_counts_arg(depths, "depths", "max_depth", max_depth)
+    B = depths.shape[0]
+    _checks.leading_axis(inits, "inits", B)
+    if keys is not None:
+        _checks.leading_axis(keys, "keys", B)
+        check_key(keys[0], "keys[0]")
+
+    def one(x, d, k):
+        if k is None:
+
+            def step_fn(carry, xx, kk):
+                return f(carry), None
+        else:
+
+            def step_fn(carry, xx, kk):
+                return f(carry, kk), None
+
+        carry, _, _, stats = _build(
+            step_fn=step_fn,
+            fname="f",
+            init=x,
+            xs=None,
+            length=max_depth,
+            n=d,
+            key=k,
+            cond_fn=None,
+            strategy="auto",
+            checkpoints=checkpoints,
+            slots=slots,
+        )
+        return carry, stats
+
+    carry, stats = jax.vmap(one)(inits, depths, keys)
+    if not return_stats:
+        return carry
+    return carry, {
+        "iterations": stats[0, 0],
+        "executed_sample_steps": stats[0, 1],
+        "useful_sample_steps": jnp.sum(depths),
+    }

@@ -25,7 +25,7 @@ demo: venv
 	$(PY) -m dyndepth demo
 
 bench: venv
-	$(PY) benchmarks/bench_seed.py
+	$(PY) benchmarks/bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

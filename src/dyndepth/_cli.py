@@ -35,31 +35,27 @@ def _demo(args: argparse.Namespace) -> int:
     print(out.shape)
     print()
     print("== side by side on the seed's workload: the seed's scan+cond vs dyndepth ==")
-    _bench.run(batch=32, dim=64, max_depth=100, repeats=args.repeats, kind="dropout")
-    return 0
-
-
-def _bench_cmd(args: argparse.Namespace) -> int:
-    from dyndepth import _bench
-
-    argv = ["--repeats", str(args.repeats), "--layer", args.layer]
-    if args.quick:
-        argv += ["--batch", "8", "--dim", "8", "--max-depth", "12"]
-    _bench.main(argv)
+    print(_bench.header())
+    rows = _bench.run_workload(_bench.WORKLOADS["seed"], args.repeats, progress=_bench._progress)
+    print(_bench.table(rows))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "bench":  # the benchmark has its own parser and --help
+        from dyndepth import _bench
+
+        _bench.main(argv[1:])
+        return 0
     parser = argparse.ArgumentParser(prog="dyndepth", description="dyndepth demo and benchmarks")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="the seed's program and a side-by-side on its workload")
     demo.add_argument("--repeats", type=int, default=5)
     demo.set_defaults(run=_demo)
-    bench = sub.add_parser("bench", help="the seed's method against dyndepth, side by side")
-    bench.add_argument("--quick", action="store_true", help="tiny shapes (for tests)")
-    bench.add_argument("--repeats", type=int, default=7)
-    bench.add_argument("--layer", choices=["tanh", "dropout"], default="tanh")
-    bench.set_defaults(run=_bench_cmd)
+    bench = sub.add_parser(
+        "bench", help="side-by-side benchmarks (dyndepth bench --help)", add_help=False
+    )
     args = parser.parse_args(argv)
     return args.run(args)
 

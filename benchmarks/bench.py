@@ -1,0 +1,9 @@
+"""Side-by-side benchmarks; the same as `dyndepth bench` (see `dyndepth bench --help`).
+
+python benchmarks/bench.py [WORKLOAD ...] [--quick] [--repeats 5] [--json FILE]
+"""
+
+from dyndepth._bench import main
+
+if __name__ == "__main__":
+    main()

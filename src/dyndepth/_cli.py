@@ -53,9 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="the seed's program and a side-by-side on its workload")
     demo.add_argument("--repeats", type=int, default=5)
     demo.set_defaults(run=_demo)
-    bench = sub.add_parser(
-        "bench", help="side-by-side benchmarks (dyndepth bench --help)", add_help=False
-    )
+    sub.add_parser("bench", help="side-by-side benchmarks (dyndepth bench --help)", add_help=False)
     args = parser.parse_args(argv)
     return args.run(args)
 

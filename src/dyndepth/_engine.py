@@ -362,12 +362,6 @@ def _steps_batched(prob: Problem, n_batched: bool) -> bool:
     return bool(n_batched) or prob.cond is not None
 
 
-def _slots(prob: Problem, B: int) -> int:
-    from ._schedule import default_slots
-
-    return default_slots(B) if prob.sched_slots is None else prob.sched_slots
-
-
 def _make_fwd(prob: Problem, store: bool):
     """The forward loop as a custom_vmap function of unbatched arguments.
 
@@ -405,10 +399,20 @@ def _make_fwd(prob: Problem, store: bool):
             kd = _batch([kd], [kb], B)[0]
         args = (prob, consts, _axes(cb), cconsts, _axes(ccb), init, xs, n, kd)
         if prob.schedule and per_sample and B > 1:
-            from ._schedule import forward_scheduled
+            from . import _schedule
 
-            out = forward_scheduled(
-                *args, store=store, slots=_slots(prob, B), by_length=prob.cond is None
+            cands = _schedule.slot_candidates(B)
+            if prob.cond is not None and prob.sched_slots is None:
+                # Stopping steps are unknown before the loop runs: a fixed share of the batch.
+                cands = (cands[min(2, len(cands) - 1)],)
+            out = _schedule.run_with_slots(
+                _schedule.forward_scheduled,
+                n,
+                prob.sched_slots,
+                cands,
+                *args,
+                store=store,
+                by_length=prob.cond is None,
             )
         else:
             out = forward_batched(*args, store=store)
@@ -460,9 +464,15 @@ def _make_bwd(prob: Problem):
         c_axes = _axes(cb)
         args = (prob, consts, c_axes, xs, kd, (buf, stride), steps, ct_carry, ct_ys)
         if prob.schedule and sb and B > 1 and not prob.thinning:
-            from ._schedule import backward_scheduled
+            from . import _schedule
 
-            acc, ct, ct_xs = backward_scheduled(*args, slots=_slots(prob, B))
+            acc, ct, ct_xs = _schedule.run_with_slots(
+                _schedule.backward_scheduled,
+                steps,
+                prob.sched_slots,
+                _schedule.slot_candidates(B),
+                *args,
+            )
         else:
             acc, ct, ct_xs = backward_batched(*args)
         kmask = [is_diff(c) for c in consts]

@@ -209,9 +209,11 @@ def repeat(
       ``3 * depth`` (exactly ``2 * depth`` when ``depth <= K``).
 
     - ``slots``: under ``vmap`` with per-sample depths, ``"auto"`` runs the batch through the
-      per-sample scheduler (see :func:`repeat_batched`) with this many slots; ``None`` picks
-      ``ceil(B / 4)`` for batches above 8 (else ``B``). Ignored by the other strategies and
-      outside ``vmap``.
+      per-sample scheduler (see :func:`repeat_batched`) with this many slots. ``None`` chooses
+      at run time among ``B, B/2, B/4, B/8`` the largest count that the depths keep busy
+      (``<= 1.1 * sum(depth) / max(depth)``), one compiled branch each; batches of 8 or fewer
+      run unscheduled. For ``while_loop``, whose stopping steps are unknown up front, ``None``
+      means ``ceil(B / 4)``. Ignored by the other strategies and outside ``vmap``.
 
     **Returns:** the carry after ``min(max(depth, 0), max_depth)`` applications of ``f``.
     ``depth == 0`` returns ``init``.
@@ -454,7 +456,8 @@ def repeat_batched(
       ``[0, max_depth]`` raise, traced ones are clamped.
     - ``max_depth``: static int ``>= 0``.
     - ``keys``: ``None`` or a batch of ``B`` keys (``jax.random.split(key, B)``).
-    - ``slots``: static int ``>= 1``; ``None`` picks ``ceil(B / 4)`` for ``B > 8``, else ``B``.
+    - ``slots``: static int ``>= 1``, or ``None`` to choose at run time among
+      ``B, B/2, B/4, B/8`` the largest count the depths keep busy (see :func:`repeat`).
       Executed sample-steps are ``slots x iterations``; fewer slots waste less on skewed depth
       distributions, more slots take fewer iterations.
     - ``checkpoints``: as :func:`repeat`.

@@ -26,16 +26,41 @@ from jax import lax
 from ._engine import Problem, bcast, is_diff, merge, stats_of, take, where_b
 
 
-def default_slots(batch: int) -> int:
-    """Slots used when ``slots=None``: ``ceil(batch / 4)`` for batches above 8, else ``batch``.
+def slot_candidates(batch: int) -> tuple[int, ...]:
+    """Slot counts that ``slots=None`` chooses from at run time: ``B, B/2, B/4, B/8`` (rounded
+    up); batches of 8 or fewer run unscheduled (one candidate, ``B``)."""
+    if batch <= 8:
+        return (batch,)
+    return tuple(sorted({math.ceil(batch / f) for f in (1, 2, 4, 8)}, reverse=True))
 
-    A quarter of the batch keeps every slot busy (so the work stays within a few percent of
-    ``sum(depth)``) whenever the mean depth is at least a quarter of the largest one, which holds
-    for uniform depths (mean/max ~ 1/2) and for the log-normal Poisson depths of recurrent-depth
-    training (mean 32, tail ~ 130). Fewer slots waste less work on spiky distributions, more slots
-    take fewer loop iterations; pass ``slots=`` to choose.
+
+def choose_slots(lengths: jax.Array, candidates: tuple[int, ...]) -> jax.Array:
+    """Index into ``candidates`` of the largest slot count that the lengths keep busy.
+
+    ``sum(lengths) / max(lengths)`` slots can all stay busy until the longest sample is done;
+    with fewer slots the loop takes more iterations but wastes nothing, with more it wastes the
+    difference. The choice is the largest candidate ``<= 1.1 * sum / max`` (else the smallest),
+    so that executed sample-steps stay within about 10% of ``sum(lengths)`` while the number of
+    loop iterations stays close to ``max(lengths)``.
     """
-    return batch if batch <= 8 else math.ceil(batch / 4)
+    total = jnp.sum(lengths).astype(jnp.float32)
+    busy = total / jnp.maximum(jnp.max(lengths), 1).astype(jnp.float32)
+    cands = jnp.asarray(candidates, jnp.float32)
+    ok = cands <= 1.1 * busy
+    return jnp.where(jnp.any(ok), jnp.argmax(ok), len(candidates) - 1).astype(jnp.int32)
+
+
+def run_with_slots(fn, lengths, slots, candidates, *args, **kwargs):
+    """``fn(*args, slots=S, **kwargs)`` with a static ``slots``, or chosen at run time among
+    ``candidates`` by :func:`choose_slots` (one compiled branch each)."""
+    if slots is not None or len(candidates) == 1:
+        return fn(*args, slots=slots or candidates[0], **kwargs)
+
+    def branch(c):
+        return lambda: fn(*args, slots=c, **kwargs)
+
+    branches = [branch(c) for c in candidates]
+    return lax.switch(choose_slots(lengths, candidates), branches)
 
 
 def _rows(arr, idx):

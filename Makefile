@@ -21,7 +21,6 @@ test: lint
 	$(PY) -m pytest tests
 
 demo: venv
-	$(PY) examples/seed.py
 	$(PY) -m dyndepth demo
 
 bench: venv

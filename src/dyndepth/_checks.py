@@ -54,11 +54,13 @@ def callable_arg(f: Any, name: str) -> None:
         raise TypeError(f"`{name}` must be callable, got {type(f).__name__}: {f!r}")
 
 
-def count_arg(value: Any, name: str, max_name: str, max_value: int) -> jax.Array:
+def count_arg(
+    value: Any, name: str, max_name: str, max_value: int, checked: bool = False
+) -> jax.Array:
     """A loop count: a Python int or an integer scalar array, possibly traced.
 
-    Concrete values are checked against ``[0, max_value]``; traced values are clamped into it.
-    Returns an int32 scalar array.
+    Concrete values are checked against ``[0, max_value]``; traced values are clamped into it,
+    or with ``checked`` verified at run time. Returns an int32 scalar array.
     """
     if isinstance(value, bool) or isinstance(value, np.bool_):
         raise TypeError(f"`{name}` must be an integer, got bool: {value!r}")
@@ -91,7 +93,10 @@ def count_arg(value: Any, name: str, max_name: str, max_value: int) -> jax.Array
             raise ValueError(
                 f"`{name}` must lie in [0, {max_name}] = [0, {max_value}], got {concrete}"
             )
-    return jnp.clip(jnp.asarray(value).astype(jnp.int32), 0, max_value)
+    value = jnp.asarray(value)
+    if checked:
+        value = runtime_range_check(value, name, max_name, max_value)
+    return jnp.clip(value.astype(jnp.int32), 0, max_value)
 
 
 def keystr(path: Any) -> str:
@@ -123,7 +128,9 @@ def carry_matches(init: Any, out: Any, fname: str) -> None:
             )
 
 
-def batch_counts_arg(value: Any, name: str, max_name: str, max_value: int) -> jax.Array:
+def batch_counts_arg(
+    value: Any, name: str, max_name: str, max_value: int, checked: bool = False
+) -> jax.Array:
     """A (B,) integer array of per-sample counts; concrete values are range-checked."""
     dtype = getattr(value, "dtype", None)
     shape = getattr(value, "shape", None)
@@ -145,7 +152,10 @@ def batch_counts_arg(value: Any, name: str, max_name: str, max_value: int) -> ja
                 f"`{name}` must lie in [0, {max_name}] = [0, {max_value}], got {int(arr[b])} at "
                 f"batch index {b}"
             )
-    return jnp.clip(jnp.asarray(value).astype(jnp.int32), 0, max_value)
+    value = jnp.asarray(value)
+    if checked:
+        value = runtime_range_check(value, name, max_name, max_value)
+    return jnp.clip(value.astype(jnp.int32), 0, max_value)
 
 
 def leading_axis(tree: Any, name: str, B: int) -> None:
@@ -156,3 +166,43 @@ def leading_axis(tree: Any, name: str, B: int) -> None:
                 f"every leaf of `{name}` needs a leading batch axis of size {B} (from `depths`); "
                 f"{name}{keystr(path)} has shape {tuple(shape)}"
             )
+
+
+def _raise_out_of_range(name, max_name, max_value, value):
+    arr = np.asarray(value)
+    flat = arr.reshape(-1)
+    bad = np.nonzero((flat < 0) | (flat > max_value))[0]
+    if bad.size == 0:
+        return
+    b = int(bad[0])
+    index = tuple(int(i) for i in np.unravel_index(b, arr.shape))
+    where = "" if arr.ndim == 0 else f" at batch index {index[0] if len(index) == 1 else index}"
+    raise ValueError(
+        f"`{name}` must lie in [0, {max_name}] = [0, {max_value}], got {int(flat[b])}{where} "
+        f"(checked=True)"
+    )
+
+
+def runtime_range_check(value: jax.Array, name: str, max_name: str, max_value: int) -> jax.Array:
+    """Raise at run time (under jit and vmap) when ``value`` lies outside ``[0, max_value]``.
+
+    Under ``vmap`` the whole batch is checked at once, so the message gives the batch index of the
+    first offending value. The error surfaces from the jitted call as a runtime error whose
+    message contains the ValueError's text."""
+    import functools
+
+    from jax.custom_batching import custom_vmap
+
+    report = functools.partial(_raise_out_of_range, name, max_name, max_value)
+
+    @custom_vmap
+    def check(v):
+        jax.debug.callback(report, v)
+        return v
+
+    @check.def_vmap
+    def check_rule(axis_size, in_batched, v):
+        jax.debug.callback(report, v)
+        return v, in_batched[0]
+
+    return check(value)

@@ -150,6 +150,7 @@ def repeat(
     strategy: Strategy = "auto",
     checkpoints: int | None = None,
     slots: int | None = None,
+    checked: bool = False,
 ) -> Any:
     """Apply ``f`` to ``init`` ``depth`` times, where ``depth`` may be traced or batched.
 
@@ -215,6 +216,10 @@ def repeat(
       run unscheduled. For ``while_loop``, whose stopping steps are unknown up front, ``None``
       means ``ceil(B / 4)``. Ignored by the other strategies and outside ``vmap``.
 
+    - ``checked``: verify a traced ``depth`` at run time instead of clamping it: a value outside
+      ``[0, max_depth]`` raises (under jit and vmap) with the value and, under vmap, its batch
+      index. Costs one host callback per call.
+
     **Returns:** the carry after ``min(max(depth, 0), max_depth)`` applications of ``f``.
     ``depth == 0`` returns ``init``.
 
@@ -228,7 +233,7 @@ def repeat(
     max_depth = _checks.static_nonneg_int(max_depth, "max_depth")
     checkpoints = _checks.checkpoints_arg(checkpoints)
     slots = _checks.slots_arg(slots)
-    n = _checks.count_arg(depth, "depth", "max_depth", max_depth)
+    n = _checks.count_arg(depth, "depth", "max_depth", max_depth, checked)
     if key is None:
 
         def step_fn(carry, x, k):
@@ -265,6 +270,7 @@ def scan(
     strategy: Strategy = "auto",
     checkpoints: int | None = None,
     slots: int | None = None,
+    checked: bool = False,
 ) -> tuple[Any, Any]:
     """Like ``lax.scan``, but only the first ``depth`` of the ``length`` steps run.
 
@@ -320,7 +326,7 @@ def scan(
     elif length is None:
         raise ValueError("`scan` needs `xs` or `length` to know how many steps there can be")
     xs = jax.tree_util.tree_map(jnp.asarray, xs)
-    n = _checks.count_arg(depth, "depth", "length", length)
+    n = _checks.count_arg(depth, "depth", "length", length, checked)
     if key is None:
 
         def step_fn(carry, x, k):
@@ -431,6 +437,7 @@ def repeat_batched(
     slots: int | None = None,
     checkpoints: int | None = None,
     return_stats: bool = False,
+    checked: bool = False,
 ) -> Any:
     """Per-sample depths for a batch, scheduled so that the work is close to ``sum(depths)``.
 
@@ -461,6 +468,7 @@ def repeat_batched(
       Executed sample-steps are ``slots x iterations``; fewer slots waste less on skewed depth
       distributions, more slots take fewer iterations.
     - ``checkpoints``: as :func:`repeat`.
+    - ``checked``: as :func:`repeat`.
     - ``return_stats``: also return a dict of int32 scalars: ``iterations`` (loop iterations of
       the forward pass), ``executed_sample_steps`` (``slots x iterations``), and
       ``useful_sample_steps`` (``sum(depths)``).
@@ -477,7 +485,7 @@ def repeat_batched(
     max_depth = _checks.static_nonneg_int(max_depth, "max_depth")
     slots = _checks.slots_arg(slots)
     checkpoints = _checks.checkpoints_arg(checkpoints)
-    depths = _checks.batch_counts_arg(depths, "depths", "max_depth", max_depth)
+    depths = _checks.batch_counts_arg(depths, "depths", "max_depth", max_depth, checked)
     B = depths.shape[0]
     _checks.leading_axis(inits, "inits", B)
     if keys is not None:

@@ -1,0 +1,16 @@
+"""Every script in examples/ runs (smoke tests against the installed package)."""
+
+import runpy
+from pathlib import Path
+
+import jax.numpy as jnp
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_seed_example_prints_batch_shape(capsys):
+    ns = runpy.run_path(str(EXAMPLES / "seed.py"), run_name="not_main")
+    out = ns["main"]()
+    assert out.shape == (32, 64)
+    assert "(32, 64)" in capsys.readouterr().out
+    assert bool(jnp.all(jnp.isfinite(out)))

@@ -1,0 +1,280 @@
+"""The per-sample scheduler: results and gradients equal the unscheduled loop, work ~ sum(depth)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import tree_allclose
+
+import dyndepth
+from dyndepth import _schedule
+
+D = 3
+M = 7
+
+
+def make_layer(W):
+    def layer(x, k):
+        h = jnp.tanh(x @ W)
+        keep = jax.random.bernoulli(k, 0.7, h.shape)
+        return x + jnp.where(keep, h, 0.0)
+
+    return layer
+
+
+@pytest.fixture(scope="module")
+def data():
+    k = jax.random.PRNGKey(3)
+    kw, kx, kd, kk = jax.random.split(k, 4)
+    B = 13
+    W = jax.random.normal(kw, (D, D)) * 0.5
+    xs = jax.random.normal(kx, (B, D))
+    ds = jax.random.randint(kd, (B,), 0, M + 1).at[0].set(0).at[1].set(M).at[2].set(0)
+    ks = jax.random.split(kk, B)
+    return W, xs, ds, ks
+
+
+def batch_run(W, xs, ds, ks, strategy, slots=None, checkpoints=None):
+    def one(x, d, k):
+        return dyndepth.repeat(
+            make_layer(W),
+            x,
+            d,
+            max_depth=M,
+            key=k,
+            strategy=strategy,
+            slots=slots,
+            checkpoints=checkpoints,
+        )
+
+    return jax.vmap(one)(xs, ds, ks)
+
+
+def loss(W, xs, ds, ks, strategy, slots=None, checkpoints=None):
+    return jnp.sum(batch_run(W, xs, ds, ks, strategy, slots, checkpoints) ** 2)
+
+
+@pytest.mark.parametrize("slots", [1, 4, 13, 20])
+def test_scheduled_values_and_grads_match_unscheduled(data, slots):
+    W, xs, ds, ks = data
+    ref = batch_run(W, xs, ds, ks, "masked")
+    out = jax.jit(batch_run, static_argnums=(4, 5))(W, xs, ds, ks, "auto", slots)
+    tree_allclose(out, ref)
+    g = jax.jit(jax.grad(loss, (0, 1)), static_argnums=(4, 5))(W, xs, ds, ks, "auto", slots)
+    g_ref = jax.grad(loss, (0, 1))(W, xs, ds, ks, "masked")
+    tree_allclose(g, g_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_scheduled_with_checkpoints(data):
+    W, xs, ds, ks = data
+    g = jax.grad(loss, (0, 1))(W, xs, ds, ks, "auto", 3, 2)
+    g_ref = jax.grad(loss, (0, 1))(W, xs, ds, ks, "masked")
+    tree_allclose(g, g_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_scheduled_per_sample_params_get_per_sample_grads(data):
+    W, xs, ds, ks = data
+    Wb = 0.1 * jax.random.normal(jax.random.PRNGKey(9), (xs.shape[0], D, D))
+
+    def run(W, Wb, strategy):
+        def one(x, d, k, wb):
+            return dyndepth.repeat(
+                make_layer(W + wb), x, d, max_depth=M, key=k, strategy=strategy, slots=4
+            )
+
+        return jnp.sum(jax.vmap(one)(xs, ds, ks, Wb) ** 2)
+
+    tree_allclose(run(W, Wb, "auto"), run(W, Wb, "masked"))
+    g = jax.grad(run, (0, 1))(W, Wb, "auto")
+    g_ref = jax.grad(run, (0, 1))(W, Wb, "masked")
+    tree_allclose(g, g_ref, rtol=1e-4, atol=1e-4)
+    assert g[1].shape == Wb.shape
+
+
+def test_pytree_carry_and_scan_outputs(data):
+    W, xs, ds, ks = data
+    seqs = jax.random.normal(jax.random.PRNGKey(4), (xs.shape[0], M, D))
+
+    def run(W, strategy):
+        def one(x, d, seq, k):
+            def f(c, xi, kk):
+                h = jnp.tanh(c["h"] @ W + xi)
+                return {"h": h, "n": c["n"] + 1}, {"s": jnp.sum(h), "k": jax.random.key_data(kk)}
+
+            return dyndepth.scan(
+                f,
+                {"h": x, "n": jnp.int32(0)},
+                seq,
+                depth=d,
+                key=k,
+                strategy=strategy,
+                slots=3,
+            )
+
+        return jax.vmap(one)(xs, ds, seqs, ks)
+
+    (c1, y1), (c2, y2) = run(W, "auto"), run(W, "masked")
+    tree_allclose((c1, y1), (c2, y2))
+    np.testing.assert_array_equal(c1["n"], np.minimum(ds, M))
+
+    def scalar(W, strategy):
+        (c, y) = run(W, strategy)
+        return jnp.sum(c["h"] ** 2) + jnp.sum(y["s"] ** 2)
+
+    tree_allclose(jax.grad(scalar)(W, "auto"), jax.grad(scalar)(W, "masked"), rtol=1e-4)
+
+
+def test_outer_vmap_batch_of_batches(data):
+    W, xs, ds, ks = data
+    xs2 = jnp.stack([xs, xs * 0.5])
+    ds2 = jnp.stack([ds, jnp.flip(ds)])
+
+    def run(W, strategy):
+        return jax.vmap(lambda x, d: batch_run(W, x, d, ks, strategy, 4))(xs2, ds2)
+
+    tree_allclose(run(W, "auto"), run(W, "masked"))
+    g = jax.grad(lambda W: jnp.sum(run(W, "auto") ** 2))(W)
+    g_ref = jax.grad(lambda W: jnp.sum(run(W, "masked") ** 2))(W)
+    tree_allclose(g, g_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_repeat_batched_matches_reference_and_reports_work(data):
+    W, xs, ds, ks = data
+    out, st = dyndepth.repeat_batched(
+        make_layer(W), xs, ds, max_depth=M, keys=ks, slots=4, return_stats=True
+    )
+    for b in range(xs.shape[0]):
+        x = xs[b]
+        for i in range(int(ds[b])):
+            x = make_layer(W)(x, dyndepth.step_key(ks[b], i))
+        tree_allclose(out[b], x)
+    assert int(st["useful_sample_steps"]) == int(ds.sum())
+    assert int(st["executed_sample_steps"]) == 4 * int(st["iterations"])
+    assert int(st["executed_sample_steps"]) >= int(ds.sum())
+
+
+def test_repeat_batched_without_keys_and_grad(data):
+    W, xs, ds, _ = data
+
+    def f(x):
+        return x + jnp.tanh(x @ W)
+
+    def ref_loss(xs):
+        return jnp.sum(
+            jax.vmap(lambda x, d: dyndepth.repeat(f, x, d, max_depth=M, strategy="masked"))(xs, ds)
+            ** 2
+        )
+
+    def sched_loss(xs):
+        return jnp.sum(dyndepth.repeat_batched(f, xs, ds, max_depth=M, slots=2) ** 2)
+
+    tree_allclose(sched_loss(xs), ref_loss(xs))
+    tree_allclose(jax.grad(sched_loss)(xs), jax.grad(ref_loss)(xs), rtol=1e-4)
+
+
+def _uniform(key, B, hi):
+    return jax.random.randint(key, (B,), 1, hi + 1)
+
+
+def _long_tail(key, B, hi):
+    k1, k2 = jax.random.split(key)
+    tau = jnp.exp(jnp.log(32.0) - 0.125 + 0.5 * jax.random.normal(k1, (B,)))
+    return jnp.clip(1 + jax.random.poisson(k2, tau), 1, hi).astype(jnp.int32)
+
+
+@pytest.mark.parametrize(("dist", "hi"), [("uniform", 100), ("long-tail", 256)])
+def test_executed_sample_steps_close_to_sum_of_depths(dist, hi):
+    B = 256
+    ds = (_uniform if dist == "uniform" else _long_tail)(jax.random.PRNGKey(0), B, hi)
+    xs = jnp.zeros((B, 1))
+    _, st = dyndepth.repeat_batched(lambda x: x + 1.0, xs, ds, max_depth=hi, return_stats=True)
+    ratio = int(st["executed_sample_steps"]) / int(ds.sum())
+    assert ratio <= 1.15, (dist, ratio, st)
+    # The masked alternatives execute B * max(depth) or B * max_depth sample-steps.
+    assert int(st["executed_sample_steps"]) < B * int(ds.max())
+
+
+def test_backward_work_close_to_sum_of_depths():
+    """Each row that the backward pass evaluates is counted by a callback inside the step."""
+    B, hi = 64, 40
+    ds = _uniform(jax.random.PRNGKey(1), B, hi)
+    calls = []
+
+    def f(x):
+        jax.debug.callback(lambda v: calls.append(1), x[0])
+        return x * 1.01
+
+    def loss(xs):
+        return jnp.sum(dyndepth.repeat_batched(f, xs, ds, max_depth=hi, slots=16))
+
+    xs = jnp.ones((B, 1))
+    jax.block_until_ready(jax.jit(loss)(xs))
+    fwd_rows = len(calls)
+    calls.clear()
+    jax.block_until_ready(jax.jit(jax.grad(loss))(xs))
+    fwd_bwd_rows = len(calls)
+    total = int(ds.sum())
+    assert total <= fwd_rows <= 1.15 * total
+    # value-and-grad: one forward (storing carries) and one reverse sweep.
+    assert 2 * total <= fwd_bwd_rows <= 2 * 1.15 * total
+
+
+def test_choose_slots_picks_busy_slot_counts():
+    cands = _schedule.slot_candidates(256)
+    assert cands == (256, 128, 64, 32)
+    equal = jnp.full((256,), 10)
+    assert cands[int(_schedule.choose_slots(equal, cands))] == 256
+    uniform = jnp.arange(1, 257) % 100 + 1
+    assert cands[int(_schedule.choose_slots(uniform, cands))] == 128
+    spiky = jnp.ones((256,), jnp.int32).at[0].set(100)
+    assert cands[int(_schedule.choose_slots(spiky, cands))] == 32
+    assert _schedule.slot_candidates(5) == (5,)
+
+
+def test_while_loop_per_sample_predicate_scheduled(data):
+    W, xs, _, _ = data
+
+    def run(W, strategy, slots):
+        def one(x):
+            return dyndepth.while_loop(
+                lambda c: jnp.sum(c**2) < 20.0,
+                lambda c: c * 1.2 + jnp.tanh(c @ W),
+                x,
+                max_steps=12,
+                strategy=strategy,
+                slots=slots,
+                return_steps=True,
+            )
+
+        return jax.vmap(one)(xs)
+
+    (c1, n1), (c2, n2) = run(W, "auto", 3), run(W, "masked", None)
+    tree_allclose(c1, c2)
+    np.testing.assert_array_equal(n1, n2)
+    assert len(set(np.asarray(n1).tolist())) > 1  # the samples really stop at different steps
+    g = jax.grad(lambda W: jnp.sum(run(W, "auto", 3)[0]))(W)
+    g_ref = jax.grad(lambda W: jnp.sum(run(W, "masked", None)[0]))(W)
+    tree_allclose(g, g_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_while_loop_scheduled_work_uniform_stopping_times():
+    """Per-sample stopping times uniform in [1, 100]: executed <= 1.15 x the steps taken."""
+    B = 256
+    stops = _uniform(jax.random.PRNGKey(5), B, 100).astype(jnp.float32)
+    calls = []
+
+    def body(c):
+        jax.debug.callback(lambda v: calls.append(1), c[0])
+        return c + jnp.array([1.0, 0.0])
+
+    def run(init):
+        return jax.vmap(
+            lambda c: dyndepth.while_loop(
+                lambda c: c[0] < c[1], body, c, max_steps=100, slots=32, return_steps=True
+            )
+        )(init)
+
+    init = jnp.stack([jnp.zeros(B), stops], axis=1)
+    _, steps = jax.jit(run)(init)
+    np.testing.assert_array_equal(steps, stops.astype(jnp.int32))
+    assert len(calls) <= 1.15 * int(steps.sum()), (len(calls), int(steps.sum()))

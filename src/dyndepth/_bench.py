@@ -64,6 +64,45 @@ def vmapped_while(layer, x, depth, key):
     return lax.while_loop(lambda s: s[0] < depth, body, (0, x))[1]
 
 
+def remat_seed_method(layer, x, depth, key, max_iters):
+    """The seed's method with each scan step under ``jax.checkpoint`` (stores only the carry)."""
+
+    @jax.checkpoint
+    def scan_step(carry, i):
+        current_x, step = carry
+        new_x = lax.cond(
+            step < depth,
+            lambda: layer(current_x, jax.random.fold_in(key, i)),
+            lambda: current_x,
+        )
+        return (new_x, step + 1), None
+
+    (out, _), _ = lax.scan(scan_step, (x, 0), jnp.arange(max_iters))
+    return out
+
+
+def equinox_checkpointed(layer, x, depth, key, max_iters):
+    """Equinox's ``equinox.internal.while_loop(kind="checkpointed")`` with its default
+    checkpoints (online treeverse), the strongest public differentiable dynamic loop."""
+    import equinox.internal as eqxi
+
+    def body(s):
+        i, c = s
+        return i + 1, layer(c, jax.random.fold_in(key, i))
+
+    return eqxi.while_loop(
+        lambda s: s[0] < depth, body, (jnp.int32(0), x), max_steps=max_iters, kind="checkpointed"
+    )[1]
+
+
+def equinox_available():
+    try:
+        import equinox.internal  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def make_layer(W, kind):
     """``x + tanh(x @ W)``, or (``dropout``) the seed's ReLU residual with dropout 0.5 on the
     step key."""
@@ -106,17 +145,18 @@ def _dd(strategy, checkpoints=None):
     return fn
 
 
+def _wrap(method):
+    def fn(W, x, d, k, max_depth, kind):
+        return method(make_layer(W, kind), x, d, k, max_depth)
+
+    return fn
+
+
 CONTENDERS = [
-    Contender(
-        "seed scan+cond",
-        lambda W, x, d, k, m, kind: seed_method(make_layer(W, kind), x, d, k, m),
-        True,
-    ),
-    Contender(
-        "lax.while_loop",
-        lambda W, x, d, k, m, kind: vmapped_while(make_layer(W, kind), x, d, k),
-        False,
-    ),
+    Contender("seed scan+cond", _wrap(seed_method), True),
+    Contender("jax.checkpoint scan+cond", _wrap(remat_seed_method), True),
+    Contender("lax.while_loop", _wrap(lambda f, x, d, k, m: vmapped_while(f, x, d, k)), False),
+    Contender("equinox checkpointed", _wrap(equinox_checkpointed), True),
     Contender("dyndepth while", _dd("while"), False),
     Contender("dyndepth checkpointed", _dd("checkpointed"), True),
     Contender("dyndepth auto", _dd("auto"), True, stats=True),
@@ -201,6 +241,9 @@ def run_workload(w: Workload, repeats: int, contenders=None, progress=print):
     rows = []
     ref_f = ref_g = None
     for c in contenders or CONTENDERS:
+        if c.name.startswith("equinox") and not equinox_available():
+            rows.append(dict(workload=w.name, contender=c.name, missing="not installed"))
+            continue
 
         def fwd(W, xs, ds, ks, c=c):
             return jax.vmap(lambda x, d, k: c.fn(W, x, d, k, w.max_depth, w.layer))(xs, ds, ks)
@@ -249,6 +292,8 @@ def shared_depth_rows(repeats, quick, progress=print):
     ks = jax.random.split(k_k, B)
     rows = []
     for c in [c for c in CONTENDERS if c.grad]:
+        if c.name.startswith("equinox") and not equinox_available():
+            continue
         for depth in sweep:
 
             def fwd(W, xs, d, ks, c=c):
@@ -285,6 +330,9 @@ def table(rows):
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if "missing" in r:
+            out.append(f"| {r['contender']} | {r['missing']} |" + " |" * 8)
+            continue
         mem = r.get("grad_temp_bytes")
         bmem = base.get("grad_temp_bytes")
         cells = [

@@ -1,4 +1,4 @@
-"""The ``dyndepth`` command line: ``dyndepth demo`` and ``dyndepth bench``.
+"""The ``dyndepth`` command line: ``dyndepth demo``, ``dyndepth eval`` and ``dyndepth bench``.
 
 The library never imports this module.
 """
@@ -10,6 +10,20 @@ import sys
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.task == "seed":
+        return _seed_demo(args)
+    from dyndepth import _demo as demo
+
+    return demo.main_demo(args)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from dyndepth import _demo as demo
+
+    return demo.main_eval(args)
+
+
+def _seed_demo(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
 
@@ -50,9 +64,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(prog="dyndepth", description="dyndepth demo and benchmarks")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="the seed's program and a side-by-side on its workload")
-    demo.add_argument("--repeats", type=int, default=5)
+    from dyndepth import _demo as demo_mod
+
+    demo = sub.add_parser(
+        "demo",
+        help="train a recurrent-depth network on prefix sums (--task seed: the seed's program "
+        "and a side-by-side on its workload)",
+    )
+    demo_mod.add_arguments(demo)
+    demo.add_argument("--repeats", type=int, default=5, help="(--task seed) timing repeats")
     demo.set_defaults(run=_demo)
+    ev = sub.add_parser("eval", help="evaluate a saved demo checkpoint")
+    ev.add_argument("--checkpoint", required=True)
+    ev.add_argument("--lengths", default="16,32,64")
+    ev.add_argument("--iters", type=int, default=128)
+    ev.add_argument("--json", default=None)
+    ev.set_defaults(run=_eval)
     sub.add_parser("bench", help="side-by-side benchmarks (dyndepth bench --help)", add_help=False)
     args = parser.parse_args(argv)
     return args.run(args)

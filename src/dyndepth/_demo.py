@@ -1,0 +1,514 @@
+"""``dyndepth demo``: train a recurrent-depth ("Deep Thinking") network that thinks longer on
+harder inputs, with dyndepth's own loops.
+
+Task: prefix sums mod 2. A string of fair coin flips ``b``; the input is ``b - 0.5``, the target
+at position ``i`` is ``sum(b[:i+1]) mod 2``; a string counts as solved only when every bit is
+right. The model (DT-recall, 1D; Schwarzschild et al. 2021, Bansal et al. 2022) is trained on
+16-bit strings with a random number of iterations and evaluated on 16-, 32- and 64-bit strings
+for every iteration count from 1 to ``8 * M``: a net that learned the algorithm solves the longer
+strings by iterating longer, and keeps solving them when it iterates longer still.
+
+Model (no biases, no normalisation; every conv has kernel 3, SAME padding, written as one matmul
+over the three shifted copies of the input, which XLA:CPU differentiates far faster than
+``lax.conv`` inside a loop body):
+
+    h = relu(conv(x, 1 -> w))                                  # projection
+    repeat n times:  z = conv(concat(h, x), w + 1 -> w)        # recurrent core, with recall
+                     z = block(block(z)), block(u) = relu(u + conv(relu(conv(u))))
+                     h = z
+    logits = conv(relu(conv(relu(conv(h, w -> w)), w -> w/2)), w/2 -> 2)   # head
+
+Training (progressive loss, alpha = 1): for each batch draw ``n`` (iterations without gradient)
+and ``k`` (iterations with gradient) with ``n + k <= M``, run ``n`` iterations with
+``dyndepth.repeat(strategy="while")`` on stop-gradient inputs (no residuals stored), then ``k``
+with ``dyndepth.repeat`` (reverse-mode, cost following ``k``), cross-entropy at the end. The
+``alpha = 0`` control always runs ``M`` iterations with gradient. AdamW (weight decay 2e-4),
+global-norm clipping at 1, linear warm-up, step decay x0.1 at 75% and 90% of training.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import dyndepth
+
+# ----------------------------------------------------------------------------- data
+
+
+def make_batch(key, batch, length):
+    """(inputs (B, L) float32 in {-0.5, 0.5}, targets (B, L) int32 prefix parities)."""
+    bits = jax.random.bernoulli(key, 0.5, (batch, length)).astype(jnp.int32)
+    targets = jnp.cumsum(bits, axis=1) % 2
+    return bits.astype(jnp.float32) - 0.5, targets
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def conv(x, w):
+    """SAME conv1d with kernel 3 as one matmul: x (L, Cin), w (3 * Cin, Cout) -> (L, Cout)."""
+    xp = jnp.pad(x, ((1, 1), (0, 0)))
+    shifted = jnp.concatenate([xp[:-2], xp[1:-1], xp[2:]], axis=-1)
+    return shifted @ w
+
+
+def init_params(key, width):
+    def conv_w(k, cin, cout):
+        bound = 1.0 / math.sqrt(3 * cin)  # PyTorch's default conv initialisation
+        return jax.random.uniform(k, (3 * cin, cout), jnp.float32, -bound, bound)
+
+    ks = jax.random.split(key, 9)
+    return {
+        "proj": conv_w(ks[0], 1, width),
+        "recall": conv_w(ks[1], width + 1, width),
+        "blocks": [
+            {"a": conv_w(ks[2], width, width), "b": conv_w(ks[3], width, width)},
+            {"a": conv_w(ks[4], width, width), "b": conv_w(ks[5], width, width)},
+        ],
+        "head": [
+            conv_w(ks[6], width, width),
+            conv_w(ks[7], width, width // 2),
+            conv_w(ks[8], width // 2, 2),
+        ],
+    }
+
+
+def project(params, x):
+    """x (L,) -> initial state (L, w)."""
+    return jax.nn.relu(conv(x[:, None], params["proj"]))
+
+
+def core(params, h, x):
+    """One iteration of the recurrent core (recall: the raw input is concatenated each time)."""
+    z = conv(jnp.concatenate([h, x[:, None]], axis=-1), params["recall"])
+    for blk in params["blocks"]:
+        z = jax.nn.relu(z + conv(jax.nn.relu(conv(z, blk["a"])), blk["b"]))
+    return z
+
+
+def head(params, h):
+    a, b, c = params["head"]
+    return conv(jax.nn.relu(conv(jax.nn.relu(conv(h, a)), b)), c)
+
+
+def think(params, x, n, k, max_iters):
+    """n iterations without gradient, then k with gradient; returns the logits (L, 2).
+
+    The first loop sees only stop-gradient inputs, so reverse mode never enters it: it runs as a
+    plain forward loop and stores nothing. Under vmap with per-sample ``n`` and ``k`` both loops
+    go through the per-sample scheduler."""
+    h0 = project(params, x)
+    frozen = jax.lax.stop_gradient(params)
+    h = dyndepth.repeat(
+        lambda h: core(frozen, h, x),
+        jax.lax.stop_gradient(h0),
+        n,
+        max_depth=max_iters,
+    )
+    # The gradient flows from the projection only when no frozen iteration ran (n == 0).
+    h = jnp.where(n == 0, h0, jax.lax.stop_gradient(h))
+    h = dyndepth.repeat(lambda h: core(params, h, x), h, k, max_depth=max_iters)
+    return head(params, h)
+
+
+def cross_entropy(logits, targets):
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def evaluate_curve(params, x, targets, iters):
+    """Whole-string accuracy after every iteration count 1..iters, with one dyndepth.scan."""
+
+    def per_sample(x, t):
+        def step(h, _):
+            h = core(params, h, x)
+            solved = jnp.all(jnp.argmax(head(params, h), axis=-1) == t)
+            return h, solved
+
+        _, solved = dyndepth.scan(
+            step, project(params, x), depth=iters, length=iters, strategy="while"
+        )
+        return solved
+
+    return jnp.mean(jax.vmap(per_sample)(x, targets).astype(jnp.float32), axis=0)
+
+
+# ----------------------------------------------------------------------------- optimiser
+
+
+def adamw_init(params):
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+    return {"m": zeros, "v": zeros, "t": jnp.zeros((), jnp.int32)}
+
+
+def adamw_update(params, grads, opt, lr, *, weight_decay=2e-4, clip=1.0, b1=0.9, b2=0.999):
+    gnorm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grads)))
+    scale = jnp.minimum(1.0, clip / jnp.maximum(gnorm, 1e-12))
+    grads = jax.tree_util.tree_map(lambda g: g * scale, grads)
+    t = opt["t"] + 1
+    m = jax.tree_util.tree_map(lambda m, g: b1 * m + (1 - b1) * g, opt["m"], grads)
+    v = jax.tree_util.tree_map(lambda v, g: b2 * v + (1 - b2) * g * g, opt["v"], grads)
+    tf = t.astype(jnp.float32)
+    mhat_c, vhat_c = 1 - b1**tf, 1 - b2**tf
+
+    def upd(p, m, v):
+        return p - lr * ((m / mhat_c) / (jnp.sqrt(v / vhat_c) + 1e-8) + weight_decay * p)
+
+    return jax.tree_util.tree_map(upd, params, m, v), {"m": m, "v": v, "t": t}, gnorm
+
+
+def learning_rate(step, cfg):
+    warm = max(1, int(0.03 * cfg.steps))
+    lr = cfg.lr * jnp.minimum(1.0, (step + 1) / warm)
+    lr = jnp.where(step >= int(0.75 * cfg.steps), lr * 0.1, lr)
+    return jnp.where(step >= int(0.9 * cfg.steps), lr * 0.1, lr)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@dataclass
+class Config:
+    width: int = 64
+    train_length: int = 16
+    max_iters: int = 16  # M
+    batch: int = 100
+    steps: int = 1500
+    lr: float = 1e-3
+    alpha: float = 1.0
+    per_sample: bool = False
+    seed: int = 0
+    eval_lengths: tuple = (16, 32, 64)
+    eval_batch: int = 500
+    eval_iters_factor: int = 8
+
+
+def draw_nk(key, cfg, shape=()):
+    """Deep Thinking's draw: n ~ U[0, M - 1], then k ~ U[1, M - n]."""
+    kn, kk = jax.random.split(key)
+    n = jax.random.randint(kn, shape, 0, cfg.max_iters)
+    k = jax.random.randint(kk, shape, 1, cfg.max_iters - n + 1)
+    return n, k
+
+
+def make_train_step(cfg):
+    M = cfg.max_iters
+
+    def loss_fn(params, x, t, n, k):
+        if cfg.per_sample:
+            logits = jax.vmap(lambda x, n, k: think(params, x, n, k, M))(x, n, k)
+        else:
+            logits = jax.vmap(lambda x: think(params, x, n, k, M))(x)
+        return cross_entropy(logits, t)
+
+    @jax.jit
+    def train_step(params, opt, key, step):
+        kd, kn = jax.random.split(key)
+        x, t = make_batch(kd, cfg.batch, cfg.train_length)
+        if cfg.alpha == 0.0:
+            n, k = jnp.int32(0), jnp.int32(M)
+        else:
+            n, k = draw_nk(kn, cfg, (cfg.batch,) if cfg.per_sample else ())
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, t, n, k)
+        params, opt, gnorm = adamw_update(params, grads, opt, learning_rate(step, cfg))
+        return params, opt, loss, gnorm, jnp.mean(n + k)
+
+    return train_step
+
+
+def save_checkpoint(path, params, opt, step, cfg):
+    flat = {}
+    for prefix, tree in (("params", params), ("opt", opt)):
+        for kp, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            flat[prefix + jax.tree_util.keystr(kp)] = np.asarray(leaf)
+    flat["__step__"] = np.asarray(step)
+    flat["__config__"] = np.asarray(json.dumps(asdict(cfg)))
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, **flat)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path):
+    data = np.load(path, allow_pickle=False)
+    cfg_dict = json.loads(str(data["__config__"]))
+    cfg_dict["eval_lengths"] = tuple(cfg_dict["eval_lengths"])
+    cfg = Config(**cfg_dict)
+    params = init_params(jax.random.PRNGKey(0), cfg.width)
+    opt = adamw_init(params)
+
+    def fill(prefix, tree):
+        leaves = [
+            jnp.asarray(data[prefix + jax.tree_util.keystr(kp)])
+            for kp, _ in jax.tree_util.tree_leaves_with_path(tree)
+        ]
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree), leaves)
+
+    return fill("params", params), fill("opt", opt), int(data["__step__"]), cfg
+
+
+def _bar(total, desc):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, dynamic_ncols=True, file=sys.stderr)
+    except ImportError:  # pragma: no cover - tqdm is in the test and demo extras
+        return None
+
+
+def train(cfg, out_dir, *, label="alpha=1", resume=True, stop_at=None, log=print):
+    """Train (resuming from ``out_dir/<label>.ckpt.npz`` when present); returns params and a
+    dict of training figures. ``stop_at`` ends the call early at that step (as an interruption
+    would: the checkpoint holds the state, and a later call resumes the same run)."""
+    os.makedirs(out_dir, exist_ok=True)
+    ckpt = os.path.join(out_dir, f"{label}.ckpt.npz")
+    key = jax.random.PRNGKey(cfg.seed)
+    if resume and os.path.exists(ckpt):
+        params, opt, start, _ = load_checkpoint(ckpt)
+        log(f"[{label}] resuming from {ckpt} at step {start}")
+    else:
+        params = init_params(jax.random.fold_in(key, 1), cfg.width)
+        opt = adamw_init(params)
+        start = 0
+    step_fn = make_train_step(cfg)
+    bar = _bar(cfg.steps, label)
+    if bar is not None:
+        bar.update(start)
+    times, depths, losses = [], [], []
+    every = max(1, cfg.steps // 10)
+    t_start = time.perf_counter()
+    end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
+    for step in range(start, end):
+        t0 = time.perf_counter()
+        params, opt, loss, gnorm, nk = step_fn(
+            params, opt, jax.random.fold_in(key, 1000 + step), jnp.int32(step)
+        )
+        loss = float(loss)
+        dt = time.perf_counter() - t0
+        if step > start + 2:  # skip compile
+            times.append(dt)
+            depths.append(float(nk))
+        losses.append(loss)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", steps_per_s=f"{1.0 / max(dt, 1e-9):.1f}")
+        elif step % every == 0:
+            log(f"[{label}] step {step} loss {loss:.4f}")
+        if (step + 1) % every == 0 or step + 1 == cfg.steps:
+            save_checkpoint(ckpt, params, opt, step + 1, cfg)
+    if bar is not None:
+        bar.close()
+    wall = time.perf_counter() - t_start
+    figures = {"train_seconds": wall, "final_loss": losses[-1] if losses else None}
+    if len(times) >= 5 and len(set(depths)) > 1:
+        # Step time against the iterations the batch ran (n + k): a line fit, so that readers
+        # can see the cost follow the depth.
+        a, b = np.polyfit(np.asarray(depths), np.asarray(times), 1)
+        figures["step_seconds_per_iteration"] = float(a)
+        figures["step_seconds_fixed"] = float(b)
+        figures["median_step_seconds"] = float(np.median(times))
+        buckets = {}
+        for d, t in zip(depths, times, strict=True):
+            buckets.setdefault(int(round(d)), []).append(t)
+        figures["median_step_seconds_by_iterations"] = {
+            str(d): float(np.median(v)) for d, v in sorted(buckets.items())
+        }
+    return params, figures
+
+
+def evaluate(params, cfg, lengths=None, iters=None, key=None):
+    lengths = lengths or cfg.eval_lengths
+    iters = iters or cfg.eval_iters_factor * cfg.max_iters
+    key = jax.random.PRNGKey(12345) if key is None else key
+    curve = jax.jit(evaluate_curve, static_argnums=3)
+    results = {}
+    for length in lengths:
+        x, t = make_batch(jax.random.fold_in(key, length), cfg.eval_batch, length)
+        results[int(length)] = np.asarray(curve(params, x, t, iters)).tolist()
+    return results
+
+
+def summarize(curves, cfg):
+    M = cfg.max_iters
+    rows = []
+    for length, acc in curves.items():
+        acc = np.asarray(acc)
+        lo, hi = 2 * M, min(8 * M, len(acc))
+        window = acc[lo - 1 : hi]
+        rows.append(
+            {
+                "length": length,
+                "best": float(acc.max()),
+                "best_at": int(acc.argmax()) + 1,
+                "best_in_2M_8M": float(window.max()) if window.size else None,
+                "at_M": float(acc[M - 1]) if len(acc) >= M else None,
+                "at_last": float(acc[-1]),
+                "iters": len(acc),
+            }
+        )
+    return rows
+
+
+def plot(curves_by_label, path, cfg):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
+    styles = {"alpha=1": "-", "alpha=0": ":"}
+    for label, curves in curves_by_label.items():
+        for length, acc in curves.items():
+            ax.plot(
+                np.arange(1, len(acc) + 1),
+                100 * np.asarray(acc),
+                styles.get(label, "--"),
+                label=f"{length} bits, {label}",
+            )
+    ax.axvline(cfg.max_iters, color="grey", lw=0.8)
+    ax.text(cfg.max_iters + 1, 2, "train max", color="grey", fontsize=8)
+    ax.set_xlabel("test-time iterations")
+    ax.set_ylabel("strings solved (%)")
+    ax.set_title(f"Prefix sums mod 2, trained on {cfg.train_length} bits (dyndepth demo)")
+    ax.set_ylim(-2, 102)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def table(summary_by_label):
+    lines = [
+        "| run | test length | best solved | at iteration | best in [2M, 8M] | at M | at 8M |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, rows in summary_by_label.items():
+        for r in rows:
+            lines.append(
+                f"| {label} | {r['length']} | {100 * r['best']:.1f}% | {r['best_at']} | "
+                f"{100 * (r['best_in_2M_8M'] or 0):.1f}% | {100 * (r['at_M'] or 0):.1f}% | "
+                f"{100 * r['at_last']:.1f}% |"
+            )
+    return "\n".join(lines)
+
+
+def run_demo(cfg, out_dir, *, control=True, log=print):
+    os.makedirs(out_dir, exist_ok=True)
+    log(
+        f"dyndepth demo: prefix sums mod 2, width {cfg.width}, train length {cfg.train_length}, "
+        f"M={cfg.max_iters}, batch {cfg.batch}, {cfg.steps} steps, devices: {jax.devices()}"
+    )
+    runs = [("alpha=1", cfg)]
+    if control:
+        runs.append(("alpha=0", Config(**{**asdict(cfg), "alpha": 0.0, "per_sample": False})))
+    curves, summaries, training = {}, {}, {}
+    for label, c in runs:
+        params, figures = train(c, out_dir, label=label, log=log)
+        training[label] = figures
+        curves[label] = evaluate(params, c)
+        summaries[label] = summarize(curves[label], c)
+    report = {
+        "config": asdict(cfg),
+        "training": training,
+        "summary": summaries,
+        "curves": {label: {str(k): v for k, v in cv.items()} for label, cv in curves.items()},
+        "jax": jax.__version__,
+        "dyndepth": dyndepth.__version__,
+    }
+    with open(os.path.join(out_dir, "results.json"), "w") as fh:
+        json.dump(report, fh, indent=1)
+    png = plot(curves, os.path.join(out_dir, "accuracy.png"), cfg)
+    log("")
+    log(table(summaries))
+    for label, f in training.items():
+        if "step_seconds_per_iteration" in f:
+            log(
+                f"[{label}] training {f['train_seconds']:.0f} s; step time = "
+                f"{1e3 * f['step_seconds_fixed']:.1f} ms + "
+                f"{1e3 * f['step_seconds_per_iteration']:.2f}"
+                " ms x (n + k)"
+            )
+    log(f"results: {os.path.join(out_dir, 'results.json')}" + (f", plot: {png}" if png else ""))
+    return report
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def add_arguments(p):
+    d = Config()
+    p.add_argument("--task", choices=["prefix-sums", "seed"], default="prefix-sums")
+    p.add_argument("--quick", action="store_true", help="a few seconds: tiny model, few steps")
+    p.add_argument("--width", type=int, default=d.width)
+    p.add_argument("--train-length", type=int, default=d.train_length)
+    p.add_argument("--max-iters", type=int, default=d.max_iters, help="M: n + k <= M")
+    p.add_argument("--batch", type=int, default=d.batch)
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--alpha", type=float, choices=[0.0, 1.0], default=d.alpha)
+    p.add_argument("--per-sample", action="store_true", help="per-sample n and k (scheduler)")
+    p.add_argument("--no-control", action="store_true", help="skip the alpha=0 control run")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--eval-lengths", default="16,32,64")
+    p.add_argument("--out", default=None, help="output folder (default runs/<timestamp>/)")
+
+
+def config_from_args(a):
+    cfg = Config(
+        width=a.width,
+        train_length=a.train_length,
+        max_iters=a.max_iters,
+        batch=a.batch,
+        steps=a.steps,
+        lr=a.lr,
+        alpha=a.alpha,
+        per_sample=a.per_sample,
+        seed=a.seed,
+        eval_lengths=tuple(int(v) for v in a.eval_lengths.split(",")),
+    )
+    if a.quick:
+        cfg = Config(
+            **{
+                **asdict(cfg),
+                "width": 8,
+                "train_length": 8,
+                "max_iters": 4,
+                "batch": 16,
+                "steps": 20,
+                "eval_lengths": (8, 16),
+                "eval_batch": 32,
+                "eval_iters_factor": 8,
+            }
+        )
+    return cfg
+
+
+def main_demo(a):
+    cfg = config_from_args(a)
+    out = a.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    run_demo(cfg, out, control=not a.no_control)
+    return 0
+
+
+def main_eval(a):
+    params, _, step, cfg = load_checkpoint(a.checkpoint)
+    lengths = tuple(int(v) for v in a.lengths.split(","))
+    curves = evaluate(params, cfg, lengths=lengths, iters=a.iters)
+    print(f"checkpoint {a.checkpoint} (step {step}, width {cfg.width}, M={cfg.max_iters})")
+    print(table({"eval": summarize(curves, cfg)}))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({str(k): v for k, v in curves.items()}, fh)
+    return 0

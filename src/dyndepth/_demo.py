@@ -183,7 +183,7 @@ class Config:
     max_iters: int = 16  # M
     batch: int = 100
     steps: int = 1500
-    lr: float = 1e-3
+    lr: float = 3e-3
     alpha: float = 1.0
     per_sample: bool = False
     seed: int = 0

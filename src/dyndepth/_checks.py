@@ -96,7 +96,14 @@ def count_arg(
     value = jnp.asarray(value)
     if checked:
         value = runtime_range_check(value, name, max_name, max_value)
-    return jnp.clip(value.astype(jnp.int32), 0, max_value)
+    return _clamp(value, max_value)
+
+
+def _clamp(value: jax.Array, max_value: int) -> jax.Array:
+    """Clamp into ``[0, max_value]`` in the value's own dtype, then cast to int32 (casting first
+    would wrap unsigned values >= 2**31 to negatives)."""
+    hi = np.array(max_value).astype(np.dtype(value.dtype))
+    return jnp.clip(value, jnp.zeros((), value.dtype), hi).astype(jnp.int32)
 
 
 def keystr(path: Any) -> str:
@@ -155,7 +162,7 @@ def batch_counts_arg(
     value = jnp.asarray(value)
     if checked:
         value = runtime_range_check(value, name, max_name, max_value)
-    return jnp.clip(value.astype(jnp.int32), 0, max_value)
+    return _clamp(value, max_value)
 
 
 def leading_axis(tree: Any, name: str, B: int) -> None:

@@ -240,40 +240,76 @@ def _store(prob, s, i, act, carry):
 # ----------------------------------------------------------------------------- backward
 
 
-def backward_batched(prob: Problem, consts, c_axes, xs, kd, res, steps, ct_carry, ct_ys):
+def rows_vjp(prob: Problem, consts, c_axes, carry, x, key, ct_c, ct_y, act, *, per_row):
+    """One step's vjp on a batch of rows; rows where ``act`` is false contribute nothing.
+
+    Returns cotangents ``(g_consts, g_carry, g_x)`` for the differentiable leaves. A const with
+    axis 0 gets one cotangent per row. A shared const (axis ``None``) gets the sum over the rows
+    (one vjp of the batched step: the cheap form, right for the gradient of a batched function)
+    or, with ``per_row``, one cotangent per row (right under ``vmap`` of a per-sample vjp, where
+    each sample's gradient of the shared const is its own)."""
+    cmask, xmask, ymask = prob.carry_mask, prob.x_mask, prob.y_mask
+    kmask = [is_diff(c) for c in consts]
+    d_axes = take(c_axes, kmask)
+    ct_c = [jnp.where(bcast(act, c), c, 0) for c in ct_c]
+    ct_y = [jnp.where(bcast(act, c), c, 0) for c in ct_y]
+
+    def pullback(step, kd_, kn, cd, cn, xd, xn, k, ct_c, ct_y):
+        def f(kd_, cd, xd):
+            new_c, y = step(merge(kd_, kn, kmask), merge(cd, cn, cmask), merge(xd, xn, xmask), k)
+            return take(list(new_c), cmask), take(list(y), ymask)
+
+        return jax.vjp(f, kd_, cd, xd)[1]((ct_c, ct_y))
+
+    args = (
+        take(consts, kmask),
+        take(consts, kmask, False),
+        take(carry, cmask),
+        take(carry, cmask, False),
+        take(x, xmask),
+        take(x, xmask, False),
+        key,
+        ct_c,
+        ct_y,
+    )
+    if per_row:
+        axes = (list(d_axes), list(take(c_axes, kmask, False))) + (0,) * 7
+        g_k, g_c, g_x = jax.vmap(lambda *a: pullback(prob.step, *a), in_axes=axes)(*args)
+        return [jnp.where(bcast(act, g), g, 0) for g in g_k], g_c, g_x
+    g_k, g_c, g_x = pullback(prob.vstep(c_axes), *args)
+    g_k = [
+        jnp.where(bcast(act, g), g, 0) if ax == 0 else g for g, ax in zip(g_k, d_axes, strict=True)
+    ]
+    return g_k, g_c, g_x
+
+
+def acc_shapes(consts, c_axes, B, per_row):
+    """Zero accumulators for the const cotangents (see :func:`rows_vjp`)."""
+    out = []
+    for c, ax in zip(consts, c_axes, strict=True):
+        if is_diff(c):
+            shape = jnp.shape(c) if (ax == 0 or not per_row) else (B,) + jnp.shape(c)
+            out.append(jnp.zeros(shape, jnp.result_type(c)))
+    return out
+
+
+def backward_batched(
+    prob: Problem, consts, c_axes, xs, kd, res, steps, ct_carry, ct_ys, *, per_row=False
+):
     """Reverse sweep. ``ct_carry``/``ct_ys`` hold the differentiable leaves only.
 
-    Returns cotangents for the differentiable leaves of ``consts`` (summed over the batch for
-    shared consts), of ``init`` and of ``xs``."""
+    Returns cotangents for the differentiable leaves of ``consts`` (for shared consts: summed over
+    the batch, or per sample with ``per_row``), of ``init`` and of ``xs``."""
     buf, stride = res
     B = steps.shape[0]
     S = prob.segment
-    cmask, xmask, ymask = prob.carry_mask, prob.x_mask, prob.y_mask
-    kmask = [is_diff(c) for c in consts]
+    xmask = prob.x_mask
     vstep = prob.vstep(c_axes)
-    d_axes = take(c_axes, kmask)
     nseg = (steps + stride - 1) // stride
     rounds = jnp.max(nseg)
 
     def vjp_step(carry, x, key, ct_c, ct_y, act):
-        """One step's vjp on the batch, with the cotangents of inactive rows zeroed."""
-        cd, cn = take(carry, cmask), take(carry, cmask, False)
-        xd, xn = take(x, xmask), take(x, xmask, False)
-        kd_, kn = take(consts, kmask), take(consts, kmask, False)
-
-        def f(kd_, cd, xd):
-            new_c, y = vstep(merge(kd_, kn, kmask), merge(cd, cn, cmask), merge(xd, xn, xmask), key)
-            return take(list(new_c), cmask), take(list(y), ymask)
-
-        _, pullback = jax.vjp(f, kd_, cd, xd)
-        ct_c = [jnp.where(bcast(act, c), c, 0) for c in ct_c]
-        ct_y = [jnp.where(bcast(act, c), c, 0) for c in ct_y]
-        g_k, g_c, g_x = pullback((ct_c, ct_y))
-        g_k = [
-            jnp.where(bcast(act, g), g, 0) if ax == 0 else g
-            for g, ax in zip(g_k, d_axes, strict=True)
-        ]
-        return g_k, g_c, g_x
+        return rows_vjp(prob, consts, c_axes, carry, x, key, ct_c, ct_y, act, per_row=per_row)
 
     def reverse_step(s, idx, state_c, act):
         x = gather_rows(xs, idx)
@@ -285,7 +321,7 @@ def backward_batched(prob: Problem, consts, c_axes, xs, kd, res, steps, ct_carry
         s["ct_xs"] = scatter_rows(s["ct_xs"], idx, g_x, act)
         return s
 
-    acc0 = zeros_like_leaves(take(consts, kmask))
+    acc0 = acc_shapes(consts, c_axes, B, per_row)
     ct_xs0 = [jnp.zeros_like(a) for a in take(xs, xmask)]
     state = dict(r=jnp.zeros((), jnp.int32), ct=list(ct_carry), acc=acc0, ct_xs=ct_xs0)
 
@@ -417,15 +453,9 @@ def _make_fwd(prob: Problem, store: bool):
         else:
             out = forward_batched(*args, store=store)
         carry, ys, steps, res, stats = out
-        steps_out = steps if per_sample else steps[0]
-        outs = (carry, ys, steps_out, stats) + ((res,) if store else ())
-        batched = (
-            [True] * len(carry),
-            [True] * len(ys),
-            per_sample,
-            False,
-        ) + ((jax.tree_util.tree_map(lambda _: True, res),) if store else ())
-        return outs, batched
+        stats = jnp.broadcast_to(stats, (B,) + stats.shape)
+        outs = (carry, ys, steps, stats) + ((res,) if store else ())
+        return outs, jax.tree_util.tree_map(lambda _: True, outs)
 
     return fwd
 
@@ -463,6 +493,8 @@ def _make_bwd(prob: Problem):
         ct_ys = _batch(ct_ys, ctyb, B)
         c_axes = _axes(cb)
         args = (prob, consts, c_axes, xs, kd, (buf, stride), steps, ct_carry, ct_ys)
+        # Under vmap every sample's cotangent of a shared const is its own (vmap of grad and
+        # jacrev need them apart; under grad of vmap JAX sums them afterwards).
         if prob.schedule and sb and B > 1 and not prob.thinning:
             from . import _schedule
 
@@ -472,12 +504,11 @@ def _make_bwd(prob: Problem):
                 prob.sched_slots,
                 _schedule.slot_candidates(B),
                 *args,
+                per_row=True,
             )
         else:
-            acc, ct, ct_xs = backward_batched(*args)
-        kmask = [is_diff(c) for c in consts]
-        acc_b = [ax == 0 for ax in take(c_axes, kmask)]
-        return (acc, ct, ct_xs), (acc_b, [True] * len(ct), [True] * len(ct_xs))
+            acc, ct, ct_xs = backward_batched(*args, per_row=True)
+        return (acc, ct, ct_xs), ([True] * len(acc), [True] * len(ct), [True] * len(ct_xs))
 
     return bwd
 

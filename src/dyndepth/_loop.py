@@ -72,7 +72,8 @@ def _build(
     x_example = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs)
 
     keys = None
-    kd = None
+    # A placeholder when there is no key: custom_vmap's jvp rule cannot take None arguments.
+    kd = jnp.zeros((), jnp.uint32)
     key_example = None
     if key is not None:
         check_key(key)

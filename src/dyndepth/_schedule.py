@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._engine import Problem, bcast, is_diff, merge, stats_of, take, where_b
+from ._engine import Problem, acc_shapes, is_diff, rows_vjp, stats_of, take, where_b
 
 
 def slot_candidates(batch: int) -> tuple[int, ...]:
@@ -80,6 +80,12 @@ def _drop_idx(mask, idx, B):
 def _order(has_work, length, by_length):
     key = jnp.where(has_work, length if by_length else 0, -1)
     return jnp.argsort(-key, stable=True).astype(jnp.int32)
+
+
+def _next_samples(done, ptr, order, num_work):
+    """The pending samples that the freed slots (``done``) take, in order: ``(take, index)``."""
+    nxt = ptr + jnp.cumsum(done.astype(jnp.int32)) - 1
+    return done & (nxt < num_work), _rows(order, nxt)
 
 
 def forward_scheduled(
@@ -141,10 +147,7 @@ def forward_scheduled(
         s["out"] = [o.at[d_drop].set(c, mode="drop") for o, c in zip(s["out"], carry, strict=True)]
         s["steps"] = s["steps"].at[d_drop].set(i, mode="drop")
         # Refill the freed slots with the next pending samples, in order.
-        rank = jnp.cumsum(done.astype(jnp.int32)) - 1
-        nxt = s["ptr"] + rank
-        take_new = done & (nxt < num_work)
-        new_idx = _rows(order, nxt)
+        take_new, new_idx = _next_samples(done, s["ptr"], order, num_work)
         s["s_idx"] = jnp.where(take_new, new_idx, idx)
         s["s_i"] = jnp.where(take_new, 0, i)
         s["s_c"] = where_b(take_new, [_rows(c, new_idx) for c in init], carry)
@@ -192,7 +195,7 @@ def _store_scheduled(prob, s, idx, i, live, carry, drop):
 
 
 def backward_scheduled(
-    prob: Problem, consts, c_axes, xs, kd, res, steps, ct_carry, ct_ys, *, slots
+    prob: Problem, consts, c_axes, xs, kd, res, steps, ct_carry, ct_ys, *, slots, per_row=False
 ):
     """Scheduled counterpart of :func:`dyndepth._engine.backward_batched` for stored carries
     (no thinning): each slot runs one sample's reverse sweep from its last step down to 0."""
@@ -200,9 +203,8 @@ def backward_scheduled(
     buf, _ = res
     B = steps.shape[0]
     S = max(1, min(slots, B))
-    cmask, xmask, ymask = prob.carry_mask, prob.x_mask, prob.y_mask
+    xmask = prob.x_mask
     kmask = [is_diff(c) for c in consts]
-    vstep = prob.vstep(c_axes)
     d_axes = take(c_axes, kmask)
     has = steps > 0
     order = _order(has, steps, True)
@@ -219,7 +221,7 @@ def backward_scheduled(
         s_live=jnp.arange(S) < num_work,
         s_ct=[_rows(c, s_idx) for c in ct_carry],
         ptr=jnp.asarray(S, jnp.int32),
-        acc=[jnp.zeros_like(c) for c in take(consts, kmask)],
+        acc=acc_shapes(consts, c_axes, B, per_row),
         ct_init=list(ct_carry),
         ct_xs=[jnp.zeros_like(a) for a in xs_d],
     )
@@ -231,24 +233,23 @@ def backward_scheduled(
         x = [_cells(a, idx, p) for a in xs]
         ct_y = [_cells(a, idx, p) for a in ct_ys]
         key = prob.key_at(None if kd is None else _rows(kd, idx), p)
-        cs = per_slot(consts, c_axes, idx)
-        cd, cn = take(carry, cmask), take(carry, cmask, False)
-        xd, xn = take(x, xmask), take(x, xmask, False)
-        kd_, kn = take(cs, kmask), take(cs, kmask, False)
-
-        def f(kd_, cd, xd):
-            new_c, y = vstep(merge(kd_, kn, kmask), merge(cd, cn, cmask), merge(xd, xn, xmask), key)
-            return take(list(new_c), cmask), take(list(y), ymask)
-
-        _, pullback = jax.vjp(f, kd_, cd, xd)
-        ct_in = [jnp.where(bcast(live, c), c, 0) for c in ct]
-        ct_y = [jnp.where(bcast(live, c), c, 0) for c in ct_y]
-        g_k, g_c, g_x = pullback((ct_in, ct_y))
+        g_k, g_c, g_x = rows_vjp(
+            prob,
+            per_slot(consts, c_axes, idx),
+            c_axes,
+            carry,
+            x,
+            key,
+            ct,
+            ct_y,
+            live,
+            per_row=per_row,
+        )
         drop = _drop_idx(live, idx, B)
-        acc = []
-        for a, g, ax in zip(s["acc"], g_k, d_axes, strict=True):
-            acc.append(a.at[drop].add(g, mode="drop") if ax == 0 else a + g)
-        s["acc"] = acc
+        s["acc"] = [
+            a.at[drop].add(g, mode="drop") if (ax == 0 or per_row) else a + g
+            for a, g, ax in zip(s["acc"], g_k, d_axes, strict=True)
+        ]
         s["ct_xs"] = [
             a.at[drop, p].set(g, mode="drop") for a, g in zip(s["ct_xs"], g_x, strict=True)
         ]
@@ -259,10 +260,7 @@ def backward_scheduled(
         s["ct_init"] = [
             o.at[d_drop].set(c, mode="drop") for o, c in zip(s["ct_init"], ct, strict=True)
         ]
-        rank = jnp.cumsum(done.astype(jnp.int32)) - 1
-        nxt = s["ptr"] + rank
-        take_new = done & (nxt < num_work)
-        new_idx = _rows(order, nxt)
+        take_new, new_idx = _next_samples(done, s["ptr"], order, num_work)
         s["s_idx"] = jnp.where(take_new, new_idx, idx)
         s["s_p"] = jnp.where(take_new, _rows(steps, new_idx) - 1, p)
         s["s_ct"] = where_b(take_new, [_rows(c, new_idx) for c in ct_carry], ct)

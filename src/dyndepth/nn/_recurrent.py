@@ -1,0 +1,190 @@
+"""Recurrent depth with truncated backpropagation (Deep Thinking, Huginn): ``recurrent_depth``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import dyndepth
+
+from . import _validate as v
+
+__all__ = ["recurrent_depth"]
+
+Strategy = Literal["auto", "masked", "while", "checkpointed"]
+
+
+def _hoist_stopped(fn: Callable, *example_args: Any) -> Callable:
+    """``fn`` with every value it closes over (outer tracers included) behind ``stop_gradient``."""
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*example_args)
+    jaxpr = closed.jaxpr
+    consts = [lax.stop_gradient(c) for c in closed.consts]
+    out_tree = jax.tree_util.tree_structure(out_shape)
+
+    def call(*args):
+        out = jax.core.eval_jaxpr(jaxpr, consts, *jax.tree_util.tree_leaves(args))
+        return jax.tree_util.tree_unflatten(out_tree, out)
+
+    return call
+
+
+def _key_parts(key: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """Split a key into plain ``uint32`` data and a function that rebuilds the key from it."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        impl = jax.random.key_impl(key)
+        return jax.random.key_data(key), lambda data: jax.random.wrap_key_data(data, impl=impl)
+    return key, lambda data: data
+
+
+def recurrent_depth(
+    core: Callable,
+    state: Any,
+    x: Any,
+    *,
+    n: Any,
+    k: Any,
+    max_n: int,
+    max_k: int,
+    key: Any = None,
+    return_all: bool = False,
+    readout: Callable | None = None,
+    strategy: Strategy = "auto",
+    checkpoints: int | None = None,
+) -> Any:
+    """Run a recurrent core ``n + k`` times, backpropagating through the last ``k`` steps only.
+
+    The plain-Python meaning (``key`` given; without it, ``core`` takes ``(state, x)``)::
+
+        def recurrent_depth(core, state, x, *, n, k, key, return_all, readout):
+            s = state
+            for j in range(n):                        # no gradient, nothing stored
+                s = core(s, x, dyndepth.step_key(key, j))
+            if n > 0:
+                s = jax.lax.stop_gradient(s)          # truncated backprop
+            ys = []
+            for j in range(max_k):                    # with gradient
+                if j < k:
+                    s = core(s, x, dyndepth.step_key(key, n + j))
+                    ys.append(readout(s) if readout else s)
+                else:
+                    ys.append(zeros_like(ys[0]))
+            return (s, stack(ys)) if return_all else s
+
+    The core receives the input ``x`` at every step ("recall", Bansal et al. 2022; Huginn's
+    ``e``). Iteration ``j`` (0-based over all ``n + k`` iterations) gets
+    ``dyndepth.step_key(key, j)``, so a run's keys do not depend on where the split between
+    ``n`` and ``k`` falls.
+
+    **Gradients:** nothing before iteration ``n`` is differentiated: the first ``n`` iterations
+    run under ``stop_gradient`` (everything ``core`` closes over included) in a loop that stores
+    no residuals, so memory does not grow with ``n`` or ``max_n``; the last ``k`` run in a
+    reverse-differentiable :func:`dyndepth.scan` (``strategy``, ``checkpoints``), whose memory
+    follows ``max_k``. Parameters that ``core`` closes over and ``x`` receive gradients from the
+    last ``k`` iterations. The initial ``state`` receives a gradient only when ``n == 0``, as in
+    Bansal et al.'s code (``n = 0`` skips the detached phase).
+
+    **Arguments:**
+
+    - ``core``: ``core(state, x) -> state``, or ``core(state, x, key)`` when ``key`` is given;
+      it keeps the state's pytree structure, shapes and dtypes.
+    - ``state``: the initial state, a pytree of arrays.
+    - ``x``: the input given to every step, any pytree (or ``None``).
+    - ``n``, ``k``: iteration counts, Python ints or integer scalar arrays; they may be traced
+      and batched under ``vmap`` (one pair per sample, e.g. from
+      :func:`dyndepth.nn.sample_nk`). Concrete values outside ``[0, max_n]``/``[0, max_k]``
+      raise; traced ones are clamped.
+    - ``max_n``, ``max_k``: static ints ``>= 0``. ``max_n`` costs nothing (no buffer depends on
+      it); ``max_k`` sizes the stored carries and the ``ys`` buffer.
+    - ``key``: optional PRNG key, see above.
+    - ``return_all``: also return the per-iteration outputs of the last ``k`` iterations, for a
+      loss at every step (progressive loss): ``ys`` stacks ``max_k`` rows along a new leading
+      axis; row ``j < k`` is the output after iteration ``n + j`` (``j + 1`` differentiated
+      steps) and rows ``j >= k`` are zeros. With ``n = 0``, those are all the iterations.
+    - ``readout``: ``readout(state) -> y``, any pytree (e.g. the logits of an output head);
+      ``None`` stores the state itself. Only used with ``return_all``.
+    - ``strategy``: the strategy of the differentiated phase (see :func:`dyndepth.repeat`);
+      the first ``n`` iterations run with ``"auto"`` when it is ``"auto"`` (the per-sample
+      scheduler under ``vmap``) and with ``"while"`` otherwise.
+    - ``checkpoints``: passed to the differentiated phase.
+
+    **Returns:** the final state, or ``(state, ys)`` with ``return_all``.
+
+    **Transformations:** jit, vmap (per-sample ``n``, ``k``, keys, states), grad/vjp
+    (``"auto"``, ``"checkpointed"``, ``"masked"``), jvp (``"masked"``, ``"while"``).
+
+    **Raises** (at trace time): ``TypeError`` if ``core``/``readout`` is not callable, if
+    ``core`` changes the state's structure, shape or dtype, if ``key`` is not a PRNG key or
+    ``n``/``k`` are not integers; ``ValueError`` for negative ``max_n``/``max_k``, concrete
+    ``n``/``k`` out of range, non-scalar ``n``/``k`` or an unknown ``strategy``.
+    """
+    v.callable_arg(core, "core")
+    if readout is not None:
+        v.callable_arg(readout, "readout")
+    return_all = v.bool_arg(return_all, "return_all")
+    max_n = v.static_int(max_n, "max_n")
+    max_k = v.static_int(max_k, "max_k")
+    n = v.count_arg(n, "n", "max_n", max_n)
+    k = v.count_arg(k, "k", "max_k", max_k)
+    v.strategy_arg(strategy)
+    state = jax.tree_util.tree_map(jnp.asarray, state)
+    if key is not None:
+        v.key_arg(key)
+        key_example = jax.random.fold_in(key, 0)
+        out_shape = jax.eval_shape(core, state, x, key_example)
+    else:
+        key_example = None
+        out_shape = jax.eval_shape(core, state, x)
+    v.same_structure(state, out_shape, "core", "state")
+
+    # Phase 1: n iterations, nothing differentiated.
+    if key is None:
+        frozen = _hoist_stopped(lambda s, x: core(s, x), state, x)
+    else:
+        frozen = _hoist_stopped(lambda s, x, kk: core(s, x, kk), state, x, key_example)
+    x_stopped = lax.stop_gradient(x)
+    if key is None:
+
+        def f1(s):
+            return frozen(s, x_stopped)
+    else:
+
+        def f1(s, kk):
+            return frozen(s, x_stopped, kk)
+
+    s_n = dyndepth.repeat(
+        f1,
+        lax.stop_gradient(state),
+        n,
+        max_depth=max_n,
+        key=key,
+        strategy="auto" if strategy == "auto" else "while",
+    )
+    s_n = jax.tree_util.tree_map(lambda a, b: jnp.where(n == 0, a, b), state, s_n)
+
+    # Phase 2: k iterations with gradient; iteration n + j gets step_key(key, n + j).
+    if key is not None:
+        key_data, rebuild = _key_parts(key)
+
+    def f2(carry, _):
+        s, i = carry
+        if key is None:
+            s = core(s, x)
+        else:
+            s = core(s, x, jax.random.fold_in(rebuild(key_data), i))
+        y = (readout(s) if readout is not None else s) if return_all else None
+        return (s, i + 1), y
+
+    (s_out, _), ys = dyndepth.scan(
+        f2,
+        (s_n, n),
+        None,
+        depth=k,
+        length=max_k,
+        strategy=strategy,
+        checkpoints=checkpoints,
+    )
+    return (s_out, ys) if return_all else s_out

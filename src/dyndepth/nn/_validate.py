@@ -1,0 +1,208 @@
+"""Argument validation for ``dyndepth.nn``: every error names the argument and its value.
+
+These mirror the checks of the loop primitives but live here so that ``dyndepth.nn`` only relies
+on the public ``dyndepth`` API.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def is_concrete(x: Any) -> bool:
+    """True unless ``x`` is a tracer (its value is known at trace time)."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def callable_arg(f: Any, name: str) -> None:
+    if not callable(f):
+        raise TypeError(f"`{name}` must be callable, got {type(f).__name__}: {f!r}")
+
+
+def bool_arg(value: Any, name: str) -> bool:
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(
+            f"`{name}` must be a static Python bool, got {type(value).__name__}: {value!r}"
+        )
+    return bool(value)
+
+
+def choice_arg(value: Any, name: str, choices: Sequence[str]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"`{name}` must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
+def static_int(value: Any, name: str, *, minimum: int = 0) -> int:
+    """A static Python int ``>= minimum`` (numpy ints accepted; bools, floats, arrays are not)."""
+    if isinstance(value, bool | np.bool_) or isinstance(value, jax.Array):
+        raise TypeError(
+            f"`{name}` must be a static Python int >= {minimum}, got {type(value).__name__}: "
+            f"{value!r}"
+        )
+    try:
+        ivalue = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"`{name}` must be a static Python int >= {minimum}, got {type(value).__name__}: "
+            f"{value!r}"
+        ) from None
+    if ivalue < minimum:
+        raise ValueError(f"`{name}` must be >= {minimum}, got {ivalue}")
+    return ivalue
+
+
+def static_float(value: Any, name: str) -> float:
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | float | np.number):
+        raise TypeError(
+            f"`{name}` must be a static Python float, got {type(value).__name__}: {value!r}"
+        )
+    return float(value)
+
+
+def shape_arg(shape: Any, name: str = "shape") -> tuple[int, ...]:
+    if isinstance(shape, int | np.integer) and not isinstance(shape, bool | np.bool_):
+        shape = (shape,)
+    if not isinstance(shape, tuple | list):
+        raise TypeError(
+            f"`{name}` must be a tuple of non-negative ints, got {type(shape).__name__}: {shape!r}"
+        )
+    return tuple(static_int(s, f"{name}[{i}]") for i, s in enumerate(shape))
+
+
+def key_arg(key: Any, name: str = "key") -> None:
+    """Raise a TypeError unless ``key`` is one PRNG key: typed, or a raw ``uint32[2]``."""
+    dtype = getattr(key, "dtype", None)
+    shape = getattr(key, "shape", None)
+    if dtype is None or shape is None:
+        raise TypeError(
+            f"`{name}` must be a PRNG key from jax.random.key or jax.random.PRNGKey, got "
+            f"{type(key).__name__}: {key!r}"
+        )
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        if tuple(shape) != ():
+            raise TypeError(
+                f"`{name}` must be a single PRNG key (shape ()), got a key array of shape "
+                f"{tuple(shape)}; under vmap, pass a batch of keys and map over it"
+            )
+        return
+    if np.dtype(dtype) != np.uint32 or tuple(shape) != (2,):
+        raise TypeError(
+            f"`{name}` must be a PRNG key from jax.random.key or jax.random.PRNGKey: a typed key "
+            f"or a uint32 array of shape (2,); got dtype {dtype} and shape {tuple(shape)}"
+        )
+
+
+def rate_arg(rate: Any, name: str = "rate", *, shape: tuple[int, ...] | None = None) -> Any:
+    """A drop rate in ``[0, 1)``: a Python float, or a float array (scalar, or ``shape``).
+
+    Concrete values are checked; traced ones are used as they are. Returns the rate unchanged
+    (Python floats stay Python floats, so they stay weakly typed).
+    """
+    if isinstance(rate, bool | np.bool_):
+        raise TypeError(f"`{name}` must be a float in [0, 1), got bool: {rate!r}")
+    if isinstance(rate, int | float | np.number):
+        value = float(rate)
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"`{name}` must lie in [0, 1), got {rate!r}")
+        return value
+    dtype = getattr(rate, "dtype", None)
+    rshape = getattr(rate, "shape", None)
+    if dtype is None or rshape is None:
+        raise TypeError(
+            f"`{name}` must be a float or a float array, got {type(rate).__name__}: {rate!r}"
+        )
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"`{name}` must have a floating dtype, got dtype {dtype}")
+    allowed = [()] if shape is None else [(), tuple(shape)]
+    if tuple(rshape) not in allowed:
+        want = " or ".join(str(s) for s in allowed)
+        raise ValueError(f"`{name}` must have shape {want}, got shape {tuple(rshape)}")
+    if is_concrete(rate):
+        arr = np.asarray(rate)
+        bad = np.nonzero(~((arr >= 0.0) & (arr < 1.0)).reshape(-1))[0]
+        if bad.size:
+            where = f" at index {int(bad[0])}" if arr.ndim else ""
+            raise ValueError(
+                f"`{name}` must lie in [0, 1), got {float(arr.reshape(-1)[bad[0]])}{where}"
+            )
+    return rate
+
+
+STRATEGIES = ("auto", "masked", "while", "checkpointed")
+
+
+def strategy_arg(strategy: Any) -> str:
+    return choice_arg(strategy, "strategy", STRATEGIES)
+
+
+def is_zero_rate(rate: Any) -> bool:
+    """True when the rate is concretely zero everywhere (no draw needed)."""
+    if isinstance(rate, float):
+        return rate == 0.0
+    return is_concrete(rate) and bool(np.all(np.asarray(rate) == 0.0))
+
+
+def count_arg(value: Any, name: str, max_name: str, max_value: int) -> jax.Array:
+    """A loop count: a Python int or an integer scalar array, possibly traced or batched.
+
+    Concrete values are checked against ``[0, max_value]``; traced ones are clamped into it.
+    Returns an int32 scalar.
+    """
+    if isinstance(value, bool | np.bool_):
+        raise TypeError(f"`{name}` must be an integer, got bool: {value!r}")
+    if isinstance(value, int | np.integer):
+        if not 0 <= int(value) <= max_value:
+            raise ValueError(
+                f"`{name}` must lie in [0, {max_name}] = [0, {max_value}], got {int(value)}"
+            )
+        return jnp.asarray(int(value), jnp.int32)
+    dtype = getattr(value, "dtype", None)
+    shape = getattr(value, "shape", None)
+    if dtype is None or shape is None:
+        raise TypeError(
+            f"`{name}` must be a Python int or an integer scalar array, got "
+            f"{type(value).__name__}: {value!r}"
+        )
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"`{name}` must have an integer dtype, got dtype {dtype}")
+    if tuple(shape) != ():
+        raise ValueError(
+            f"`{name}` must be a scalar, got shape {tuple(shape)}; for one count per sample, "
+            "jax.vmap over the batch"
+        )
+    if is_concrete(value):
+        concrete = int(value)
+        if not 0 <= concrete <= max_value:
+            raise ValueError(
+                f"`{name}` must lie in [0, {max_name}] = [0, {max_value}], got {concrete}"
+            )
+    return jnp.clip(jnp.asarray(value).astype(jnp.int32), 0, max_value)
+
+
+def same_structure(expected: Any, got: Any, fname: str, what: str) -> None:
+    """Raise a TypeError naming the first leaf where ``got`` differs from ``expected``."""
+    t_exp = jax.tree_util.tree_structure(expected)
+    t_got = jax.tree_util.tree_structure(got)
+    if t_exp != t_got:
+        raise TypeError(
+            f"`{fname}` must return {what} with the same pytree structure as its input; "
+            f"expected {t_exp}, got {t_got}"
+        )
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(expected), jax.tree_util.tree_leaves(got), strict=True
+    ):
+        sa, sb = tuple(jnp.shape(a)), tuple(jnp.shape(b))
+        da, db = jnp.result_type(a), jnp.result_type(b)
+        if sa != sb or np.dtype(da) != np.dtype(db):
+            raise TypeError(
+                f"`{fname}` must keep the shape and dtype of {what}; at "
+                f"{what}{jax.tree_util.keystr(path) or ''} the input is {da}{list(sa)} but "
+                f"`{fname}` returned {db}{list(sb)}"
+            )

@@ -278,3 +278,21 @@ def test_while_loop_scheduled_work_uniform_stopping_times():
     _, steps = jax.jit(run)(init)
     np.testing.assert_array_equal(steps, stops.astype(jnp.int32))
     assert len(calls) <= 1.15 * int(steps.sum()), (len(calls), int(steps.sum()))
+
+
+def test_repeat_batched_sums_shared_grads_and_composes_with_outer_vmap(data):
+    W, xs, ds, ks = data
+
+    def loss(W, xs, ds):
+        return jnp.sum(dyndepth.repeat_batched(make_layer(W), xs, ds, max_depth=M, keys=ks) ** 2)
+
+    def ref(W, xs, ds):
+        return jnp.sum(batch_run(W, xs, ds, ks, "masked") ** 2)
+
+    tree_allclose(jax.grad(loss)(W, xs, ds), jax.grad(ref)(W, xs, ds), rtol=1e-4, atol=1e-4)
+    # An outer vmap over two batches, each with its own gradient of the shared W.
+    xs2, ds2 = jnp.stack([xs, 0.5 * xs]), jnp.stack([ds, jnp.flip(ds)])
+    g = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(W, xs2, ds2)
+    g_ref = jax.vmap(jax.grad(ref), in_axes=(None, 0, 0))(W, xs2, ds2)
+    tree_allclose(g, g_ref, rtol=1e-4, atol=1e-4)
+    assert not bool(jnp.allclose(g[0], g[1]))

@@ -128,6 +128,7 @@ class Contender:
     fn: Callable  # (W, x, depth, key, max_depth, kind) -> x, one sample
     grad: bool  # reverse-differentiable?
     stats: bool = False  # reports executed sample-steps through repeat_batched
+    batched: bool = False  # called on the whole batch (repeat_batched) instead of under vmap
 
 
 def _dd(strategy, checkpoints=None):
@@ -160,6 +161,7 @@ CONTENDERS = [
     Contender("dyndepth while", _dd("while"), False),
     Contender("dyndepth checkpointed", _dd("checkpointed"), True),
     Contender("dyndepth auto", _dd("auto"), True, stats=True),
+    Contender("dyndepth repeat_batched", None, True, stats=True, batched=True),
 ]
 
 
@@ -246,6 +248,10 @@ def run_workload(w: Workload, repeats: int, contenders=None, progress=print):
             continue
 
         def fwd(W, xs, ds, ks, c=c):
+            if c.batched:
+                return dyndepth.repeat_batched(
+                    make_layer(W, w.layer), xs, ds, max_depth=w.max_depth, keys=ks
+                )
             return jax.vmap(lambda x, d, k: c.fn(W, x, d, k, w.max_depth, w.layer))(xs, ds, ks)
 
         def loss(W, xs, ds, ks, fwd=fwd):
@@ -291,7 +297,7 @@ def shared_depth_rows(repeats, quick, progress=print):
     xs = jax.random.normal(k_x, (B, D))
     ks = jax.random.split(k_k, B)
     rows = []
-    for c in [c for c in CONTENDERS if c.grad]:
+    for c in [c for c in CONTENDERS if c.grad and not c.batched]:
         if c.name.startswith("equinox") and not equinox_available():
             continue
         for depth in sweep:

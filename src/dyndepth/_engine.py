@@ -546,6 +546,62 @@ def run_checkpointed(prob: Problem, consts, cconsts, init, xs, n, kd):
     return loop(consts, cconsts, init, xs, n, kd)
 
 
+def run_batch(prob: Problem, consts, init, n, kd):
+    """An explicitly batched loop (``repeat_batched``): one custom_vjp over the whole batch.
+
+    The batch is the function's own, so the gradient of a parameter shared by the batch is the
+    sum over its samples, accumulated inside the backward loop: no per-sample copy of any
+    parameter or of its gradient. Under an enclosing ``vmap`` JAX batches this function like any
+    other (per-sample semantics stay right)."""
+    from . import _schedule
+
+    B = n.shape[0]
+    c_axes = [None] * len(consts)
+    cands = _schedule.slot_candidates(B)
+    cmask = prob.carry_mask
+    kmask = [is_diff(c) for c in consts]
+
+    def fwd_impl(consts, init, n, kd, store):
+        args = (prob, consts, c_axes, [], [], init, [], n, kd)
+        if B > 1:
+            return _schedule.run_with_slots(
+                _schedule.forward_scheduled,
+                n,
+                prob.sched_slots,
+                cands,
+                *args,
+                store=store,
+                by_length=True,
+            )
+        return forward_batched(*args, store=store)
+
+    @jax.custom_vjp
+    def loop(consts, init, n, kd):
+        carry, ys, steps, _, stats = fwd_impl(consts, init, n, kd, False)
+        return carry, ys, steps, stats
+
+    def loop_fwd(consts, init, n, kd):
+        carry, ys, steps, res, stats = fwd_impl(consts, init, n, kd, True)
+        return (carry, ys, steps, stats), (consts, kd, res, steps)
+
+    def loop_bwd(saved, cts):
+        consts, kd, res, steps = saved
+        ct_carry = take(_instantiate(cts[0], prob.carry_avals, lead=(B,)), cmask)
+        args = (prob, consts, c_axes, [], kd, res, steps, ct_carry, [])
+        if B > 1 and not prob.thinning:
+            acc, ct, _ = _schedule.run_with_slots(
+                _schedule.backward_scheduled, steps, prob.sched_slots, cands, *args
+            )
+        else:
+            acc, ct, _ = backward_batched(*args)
+        g_consts = merge(acc, [None] * (len(consts) - len(acc)), kmask)
+        g_init = merge(ct, [None] * (len(cmask) - sum(cmask)), cmask)
+        return g_consts, g_init, None, None
+
+    loop.defvjp(loop_fwd, loop_bwd)
+    return loop(consts, list(init), n, kd)
+
+
 def _instantiate(cts, avals, lead=()):
     return [
         jnp.zeros(lead + a.shape, a.dtype) if (c is None or _is_float0(c)) else c

@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 
 from . import _checks
-from ._engine import STRATEGY_FNS, Problem
+from ._engine import STRATEGY_FNS, Problem, run_batch
 from ._keys import KeySchedule, check_key
 
 __all__ = ["repeat", "repeat_batched", "scan", "while_loop"]
@@ -63,8 +63,12 @@ def _build(
     strategy: str,
     checkpoints: int | None,
     slots: int | None = None,
+    batch: bool = False,
 ):
-    """Validate, closure-convert and run. Returns ``(carry, ys, steps, stats)``."""
+    """Validate, closure-convert and run. Returns ``(carry, ys, steps, stats)``.
+
+    With ``batch``, ``init``, ``n`` and ``key`` carry a leading batch axis (``xs`` must be None)
+    and the loop runs as one explicitly batched custom_vjp (see ``run_batch``)."""
     strategy = _checks.strategy_arg(strategy)
     init = jax.tree_util.tree_map(_strong, init)
     carry_leaves, carry_tree = jax.tree_util.tree_flatten(init)
@@ -76,12 +80,17 @@ def _build(
     kd = jnp.zeros((), jnp.uint32)
     key_example = None
     if key is not None:
-        check_key(key)
+        check_key(key[0] if batch else key, "keys[0]" if batch else "key")
         keys = KeySchedule(key)
         kd = keys.data
-        key_example = keys.key_at(kd, jnp.zeros((), jnp.int32))
+        key_example = keys.key_at(kd[0] if batch else kd, jnp.zeros((), jnp.int32))
+    elif batch:
+        kd = jnp.zeros(n.shape, jnp.uint32)
 
-    init_example = jax.tree_util.tree_map(_aval, init)
+    def sample_aval(a):
+        return jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)) if batch else _aval(a)
+
+    init_example = jax.tree_util.tree_map(sample_aval, init)
     call, consts, out_shape = _hoist(step_fn, init_example, x_example, key_example)
     new_carry_shape, y_shape = out_shape
     _checks.carry_matches(init_example, new_carry_shape, fname)
@@ -116,7 +125,7 @@ def _build(
     prob = Problem(
         step=step,
         cond=cond,
-        carry_avals=tuple(_aval(a) for a in carry_leaves),
+        carry_avals=tuple(sample_aval(a) for a in carry_leaves),
         x_avals=tuple(jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in xs_leaves),
         y_avals=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in y_leaves_shape),
         max_steps=length,
@@ -126,9 +135,12 @@ def _build(
         sched_slots=slots,
     )
     if length == 0:
-        ys = [jnp.zeros((0,) + a.shape, a.dtype) for a in prob.y_avals]
-        carry_out, steps = carry_leaves, jnp.zeros((), jnp.int32)
+        lead = n.shape if batch else ()
+        ys = [jnp.zeros(lead + (0,) + a.shape, a.dtype) for a in prob.y_avals]
+        carry_out, steps = carry_leaves, jnp.zeros(lead, jnp.int32)
         stats = jnp.zeros((2,), jnp.int32)
+    elif batch:
+        carry_out, ys, steps, stats = run_batch(prob, consts, carry_leaves, n, kd)
     else:
         carry_out, ys, steps, stats = STRATEGY_FNS[strategy](
             prob, consts, cconsts, carry_leaves, xs_leaves, n, kd
@@ -491,38 +503,34 @@ def repeat_batched(
     _checks.leading_axis(inits, "inits", B)
     if keys is not None:
         _checks.leading_axis(keys, "keys", B)
-        check_key(keys[0], "keys[0]")
 
-    def one(x, d, k):
-        if k is None:
+    if keys is None:
 
-            def step_fn(carry, xx, kk):
-                return f(carry), None
-        else:
+        def step_fn(carry, x, k):
+            return f(carry), None
+    else:
 
-            def step_fn(carry, xx, kk):
-                return f(carry, kk), None
+        def step_fn(carry, x, k):
+            return f(carry, k), None
 
-        carry, _, _, stats = _build(
-            step_fn=step_fn,
-            fname="f",
-            init=x,
-            xs=None,
-            length=max_depth,
-            n=d,
-            key=k,
-            cond_fn=None,
-            strategy="auto",
-            checkpoints=checkpoints,
-            slots=slots,
-        )
-        return carry, stats
-
-    carry, stats = jax.vmap(one)(inits, depths, keys)
+    carry, _, _, stats = _build(
+        step_fn=step_fn,
+        fname="f",
+        init=inits,
+        xs=None,
+        length=max_depth,
+        n=depths,
+        key=keys,
+        cond_fn=None,
+        strategy="auto",
+        checkpoints=checkpoints,
+        slots=slots,
+        batch=True,
+    )
     if not return_stats:
         return carry
     return carry, {
-        "iterations": stats[0, 0],
-        "executed_sample_steps": stats[0, 1],
+        "iterations": stats[0],
+        "executed_sample_steps": stats[1],
         "useful_sample_steps": jnp.sum(depths),
     }

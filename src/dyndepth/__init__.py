@@ -6,6 +6,7 @@ Loops whose forward and backward cost follow the depth actually run, under ``jit
 
 from importlib.metadata import PackageNotFoundError, version
 
+from . import nn as nn
 from ._keys import step_key as step_key
 from ._loop import repeat as repeat
 from ._loop import repeat_batched as repeat_batched

@@ -199,9 +199,10 @@ def repeat(
                                                                  broadcast to the batch
       ``"while"``     jit, vmap, jvp/jacfwd; reverse mode        ``depth`` steps
                       raises a TypeError
-      ``"checkpoint   jit, vmap, grad/vjp/jacrev, forward-over-  forward and backward follow
-      ed"``           reverse (hvp); not jvp of the loop itself  ``depth``: ``2 * depth`` step
-                                                                 evaluations with all carries
+      ``"checkpoint   jit, vmap, grad/vjp/jacrev; forward-   forward and backward follow
+      ed"``           over-reverse only under vmap (JAX's        ``depth``: ``2 * depth`` step
+                      custom_vmap jvp rule fails otherwise);
+                      not jvp of the loop itself                 evaluations with all carries
                                                                  stored
       ``"auto"``      as ``"checkpointed"``                      as ``"checkpointed"``, and under
                                                                  ``vmap`` with per-sample depths

@@ -35,10 +35,11 @@ __all__ = ["WORKLOADS", "main", "run_workload", "seed_method"]
 # ----------------------------------------------------------------------------- contenders
 
 
-def seed_method(layer, x, depth, key, max_iters):
+def seed_method(layer, x, depth, key, max_iters, *, remat=False):
     """The seed's program: scan over max_iters with lax.cond(step < depth, layer, identity).
 
     Step ``i`` gets ``fold_in(key, i)``, dyndepth's schedule, so that results compare exactly.
+    With ``remat`` each scan step runs under ``jax.checkpoint`` (stores only the carry).
     """
 
     def scan_step(carry, i):
@@ -50,7 +51,8 @@ def seed_method(layer, x, depth, key, max_iters):
         )
         return (new_x, step + 1), None
 
-    (out, _), _ = lax.scan(scan_step, (x, 0), jnp.arange(max_iters))
+    step = jax.checkpoint(scan_step) if remat else scan_step
+    (out, _), _ = lax.scan(step, (x, 0), jnp.arange(max_iters))
     return out
 
 
@@ -65,20 +67,8 @@ def vmapped_while(layer, x, depth, key):
 
 
 def remat_seed_method(layer, x, depth, key, max_iters):
-    """The seed's method with each scan step under ``jax.checkpoint`` (stores only the carry)."""
-
-    @jax.checkpoint
-    def scan_step(carry, i):
-        current_x, step = carry
-        new_x = lax.cond(
-            step < depth,
-            lambda: layer(current_x, jax.random.fold_in(key, i)),
-            lambda: current_x,
-        )
-        return (new_x, step + 1), None
-
-    (out, _), _ = lax.scan(scan_step, (x, 0), jnp.arange(max_iters))
-    return out
+    """The seed's method with each scan step under ``jax.checkpoint``."""
+    return seed_method(layer, x, depth, key, max_iters, remat=True)
 
 
 def equinox_checkpointed(layer, x, depth, key, max_iters):

@@ -46,6 +46,13 @@ def _hoist(fn: Callable, *example_args: Any):
     return call, consts, out_shape
 
 
+def _carry_step(f: Callable, with_key: bool) -> Callable:
+    """``f(carry[, key]) -> carry`` as a step ``(carry, x, key) -> (carry, None)``."""
+    if with_key:
+        return lambda carry, x, k: (f(carry, k), None)
+    return lambda carry, x, k: (f(carry), None)
+
+
 def _aval(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
 
@@ -248,14 +255,7 @@ def repeat(
     checkpoints = _checks.checkpoints_arg(checkpoints)
     slots = _checks.slots_arg(slots)
     n = _checks.count_arg(depth, "depth", "max_depth", max_depth, checked)
-    if key is None:
-
-        def step_fn(carry, x, k):
-            return f(carry), None
-    else:
-
-        def step_fn(carry, x, k):
-            return f(carry, k), None
+    step_fn = _carry_step(f, key is not None)
 
     carry, _, _, _ = _build(
         step_fn=step_fn,
@@ -416,14 +416,7 @@ def while_loop(
     max_steps = _checks.static_nonneg_int(max_steps, "max_steps")
     checkpoints = _checks.checkpoints_arg(checkpoints)
     slots = _checks.slots_arg(slots)
-    if key is None:
-
-        def step_fn(carry, x, k):
-            return body_fun(carry), None
-    else:
-
-        def step_fn(carry, x, k):
-            return body_fun(carry, k), None
+    step_fn = _carry_step(body_fun, key is not None)
 
     carry, _, steps, _ = _build(
         step_fn=step_fn,
@@ -505,14 +498,7 @@ def repeat_batched(
     if keys is not None:
         _checks.leading_axis(keys, "keys", B)
 
-    if keys is None:
-
-        def step_fn(carry, x, k):
-            return f(carry), None
-    else:
-
-        def step_fn(carry, x, k):
-            return f(carry, k), None
+    step_fn = _carry_step(f, keys is not None)
 
     carry, _, _, stats = _build(
         step_fn=step_fn,

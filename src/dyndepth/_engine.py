@@ -453,9 +453,16 @@ def _make_fwd(prob: Problem, store: bool):
         else:
             out = forward_batched(*args, store=store)
         carry, ys, steps, res, stats = out
-        stats = jnp.broadcast_to(stats, (B,) + stats.shape)
+        # A shared depth stays unbatched, so the backward pass runs unscheduled (no waste).
+        steps = steps if per_sample else steps[0]
         outs = (carry, ys, steps, stats) + ((res,) if store else ())
-        return outs, jax.tree_util.tree_map(lambda _: True, outs)
+        batched = (
+            [True] * len(carry),
+            [True] * len(ys),
+            per_sample,
+            False,
+        ) + ((jax.tree_util.tree_map(lambda _: True, res),) if store else ())
+        return outs, batched
 
     return fwd
 

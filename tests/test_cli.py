@@ -22,6 +22,9 @@ def test_bench_quick_runs_and_writes_json(tmp_path, capsys):
     names = [r["contender"] for r in rows]
     assert names[0] == "seed scan+cond" and "dyndepth auto" in names
     for r in rows:
+        if r.get("missing"):  # Equinox is an optional extra
+            assert r["contender"].startswith("equinox"), r
+            continue
         assert r["fwd_rel_err"] < 1e-5, r
         if "grad_rel_err" in r:
             assert r["grad_rel_err"] < 1e-4, r

@@ -1,12 +1,10 @@
 """Argument validation for ``dyndepth.nn``: every error names the argument and its value.
 
-These mirror the checks of the loop primitives but live here so that ``dyndepth.nn`` only relies
-on the public ``dyndepth`` API.
+The checks shared with the loop primitives (ints, callables, keys) are theirs, re-used here.
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,15 +12,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _checks, _keys
+
+callable_arg = _checks.callable_arg
+static_int = _checks.static_nonneg_int
+key_arg = _keys.check_key
+
 
 def is_concrete(x: Any) -> bool:
     """True unless ``x`` is a tracer (its value is known at trace time)."""
     return not isinstance(x, jax.core.Tracer)
-
-
-def callable_arg(f: Any, name: str) -> None:
-    if not callable(f):
-        raise TypeError(f"`{name}` must be callable, got {type(f).__name__}: {f!r}")
 
 
 def bool_arg(value: Any, name: str) -> bool:
@@ -37,25 +36,6 @@ def choice_arg(value: Any, name: str, choices: Sequence[str]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"`{name}` must be one of {tuple(choices)}, got {value!r}")
     return value
-
-
-def static_int(value: Any, name: str, *, minimum: int = 0) -> int:
-    """A static Python int ``>= minimum`` (numpy ints accepted; bools, floats, arrays are not)."""
-    if isinstance(value, bool | np.bool_) or isinstance(value, jax.Array):
-        raise TypeError(
-            f"`{name}` must be a static Python int >= {minimum}, got {type(value).__name__}: "
-            f"{value!r}"
-        )
-    try:
-        ivalue = operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"`{name}` must be a static Python int >= {minimum}, got {type(value).__name__}: "
-            f"{value!r}"
-        ) from None
-    if ivalue < minimum:
-        raise ValueError(f"`{name}` must be >= {minimum}, got {ivalue}")
-    return ivalue
 
 
 def static_float(value: Any, name: str) -> float:
@@ -74,29 +54,6 @@ def shape_arg(shape: Any, name: str = "shape") -> tuple[int, ...]:
             f"`{name}` must be a tuple of non-negative ints, got {type(shape).__name__}: {shape!r}"
         )
     return tuple(static_int(s, f"{name}[{i}]") for i, s in enumerate(shape))
-
-
-def key_arg(key: Any, name: str = "key") -> None:
-    """Raise a TypeError unless ``key`` is one PRNG key: typed, or a raw ``uint32[2]``."""
-    dtype = getattr(key, "dtype", None)
-    shape = getattr(key, "shape", None)
-    if dtype is None or shape is None:
-        raise TypeError(
-            f"`{name}` must be a PRNG key from jax.random.key or jax.random.PRNGKey, got "
-            f"{type(key).__name__}: {key!r}"
-        )
-    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
-        if tuple(shape) != ():
-            raise TypeError(
-                f"`{name}` must be a single PRNG key (shape ()), got a key array of shape "
-                f"{tuple(shape)}; under vmap, pass a batch of keys and map over it"
-            )
-        return
-    if np.dtype(dtype) != np.uint32 or tuple(shape) != (2,):
-        raise TypeError(
-            f"`{name}` must be a PRNG key from jax.random.key or jax.random.PRNGKey: a typed key "
-            f"or a uint32 array of shape (2,); got dtype {dtype} and shape {tuple(shape)}"
-        )
 
 
 def rate_arg(rate: Any, name: str = "rate", *, shape: tuple[int, ...] | None = None) -> Any:

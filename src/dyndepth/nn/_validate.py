@@ -1,6 +1,7 @@
 """Argument validation for ``dyndepth.nn``: every error names the argument and its value.
 
-The checks shared with the loop primitives (ints, callables, keys) are theirs, re-used here.
+The checks shared with the loop primitives (ints, callables, keys, loop counts) are theirs,
+re-used here.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .. import _checks, _keys
 callable_arg = _checks.callable_arg
 static_int = _checks.static_nonneg_int
 key_arg = _keys.check_key
+count_arg = _checks.count_arg
 
 
 def is_concrete(x: Any) -> bool:
@@ -104,43 +106,6 @@ def is_zero_rate(rate: Any) -> bool:
     if isinstance(rate, float):
         return rate == 0.0
     return is_concrete(rate) and bool(np.all(np.asarray(rate) == 0.0))
-
-
-def count_arg(value: Any, name: str, max_name: str, max_value: int) -> jax.Array:
-    """A loop count: a Python int or an integer scalar array, possibly traced or batched.
-
-    Concrete values are checked against ``[0, max_value]``; traced ones are clamped into it.
-    Returns an int32 scalar.
-    """
-    if isinstance(value, bool | np.bool_):
-        raise TypeError(f"`{name}` must be an integer, got bool: {value!r}")
-    if isinstance(value, int | np.integer):
-        if not 0 <= int(value) <= max_value:
-            raise ValueError(
-                f"`{name}` must lie in [0, {max_name}] = [0, {max_value}], got {int(value)}"
-            )
-        return jnp.asarray(int(value), jnp.int32)
-    dtype = getattr(value, "dtype", None)
-    shape = getattr(value, "shape", None)
-    if dtype is None or shape is None:
-        raise TypeError(
-            f"`{name}` must be a Python int or an integer scalar array, got "
-            f"{type(value).__name__}: {value!r}"
-        )
-    if not jnp.issubdtype(dtype, jnp.integer):
-        raise TypeError(f"`{name}` must have an integer dtype, got dtype {dtype}")
-    if tuple(shape) != ():
-        raise ValueError(
-            f"`{name}` must be a scalar, got shape {tuple(shape)}; for one count per sample, "
-            "jax.vmap over the batch"
-        )
-    if is_concrete(value):
-        concrete = int(value)
-        if not 0 <= concrete <= max_value:
-            raise ValueError(
-                f"`{name}` must lie in [0, {max_name}] = [0, {max_value}], got {concrete}"
-            )
-    return jnp.clip(jnp.asarray(value).astype(jnp.int32), 0, max_value)
 
 
 def same_structure(expected: Any, got: Any, fname: str, what: str) -> None:

@@ -35,6 +35,7 @@ from jax import lax
 from jax.custom_batching import custom_vmap
 from jax.custom_derivatives import linear_call
 
+from . import _vma
 from ._keys import KeySchedule
 
 Leaves = list[Any]
@@ -200,7 +201,7 @@ def forward_batched(prob: Problem, consts, c_axes, cconsts, cc_axes, init, xs, n
         s["iters"] = s["iters"] + 1
         return s
 
-    out = lax.while_loop(lambda s: jnp.any(s["act"]), counted, state)
+    out = _vma.while_loop(lambda s: jnp.any(s["act"]), counted, state)
     res = (out["buf"], out["stride"]) if store else None
     return out["carry"], out["ys"], out["i"], res, stats_of(out["iters"], B)
 
@@ -230,7 +231,7 @@ def _store(prob, s, i, act, carry):
             stride = jnp.where(full, stride * 2, stride)
             return buf, count, stride
 
-        buf, count, stride = lax.cond(jnp.any(full), compact, lambda a: a, (buf, count, stride))
+        buf, count, stride = _vma.cond(jnp.any(full), compact, lambda a: a, (buf, count, stride))
     want = act & (i % stride == 0)
     buf = scatter_rows(buf, count, carry, want)
     count = count + want.astype(jnp.int32)
@@ -251,6 +252,17 @@ def rows_vjp(prob: Problem, consts, c_axes, carry, x, key, ct_c, ct_y, act, *, p
     cmask, xmask, ymask = prob.carry_mask, prob.x_mask, prob.y_mask
     kmask = [is_diff(c) for c in consts]
     d_axes = take(c_axes, kmask)
+    # Inactive rows (finished samples, idle slots, steps past a short segment) hold carries the
+    # loop never reached, where the step's Jacobian may be inf/NaN: with a zero cotangent, 0 * NaN
+    # would still poison the shared-parameter sum. They are evaluated at an active row's inputs
+    # instead, a point of a genuine trajectory, and their zero cotangent then contributes 0.
+    B = act.shape[0]
+    if B > 1:
+        src = jnp.where(act, jnp.arange(B), jnp.argmax(act))
+        carry = [c[src] for c in carry]
+        x = [a[src] for a in x]
+        key = None if key is None else key[src]
+        consts = [c[src] if ax == 0 else c for c, ax in zip(consts, c_axes, strict=True)]
     ct_c = [jnp.where(bcast(act, c), c, 0) for c in ct_c]
     ct_y = [jnp.where(bcast(act, c), c, 0) for c in ct_y]
 
@@ -261,12 +273,15 @@ def rows_vjp(prob: Problem, consts, c_axes, carry, x, key, ct_c, ct_y, act, *, p
 
         return jax.vjp(f, kd_, cd, xd)[1]((ct_c, ct_y))
 
+    # Inside shard_map, a vjp with respect to a replicated value would psum its cotangent over
+    # the devices, a collective inside a loop whose trip count differs per device (a deadlock).
+    # Varying inputs keep the per-device cotangents local; the caller sums them once at the end.
     args = (
-        take(consts, kmask),
+        _vma.vary(take(consts, kmask)),
         take(consts, kmask, False),
-        take(carry, cmask),
+        _vma.vary(take(carry, cmask)),
         take(carry, cmask, False),
-        take(x, xmask),
+        _vma.vary(take(x, xmask)),
         take(x, xmask, False),
         key,
         ct_c,
@@ -277,8 +292,10 @@ def rows_vjp(prob: Problem, consts, c_axes, carry, x, key, ct_c, ct_y, act, *, p
         g_k, g_c, g_x = jax.vmap(lambda *a: pullback(prob.step, *a), in_axes=axes)(*args)
         return [jnp.where(bcast(act, g), g, 0) for g in g_k], g_c, g_x
     g_k, g_c, g_x = pullback(prob.vstep(c_axes), *args)
+    any_act = jnp.any(act)
     g_k = [
-        jnp.where(bcast(act, g), g, 0) if ax == 0 else g for g, ax in zip(g_k, d_axes, strict=True)
+        jnp.where(bcast(act, g), g, 0) if ax == 0 else jnp.where(any_act, g, 0)
+        for g, ax in zip(g_k, d_axes, strict=True)
     ]
     return g_k, g_c, g_x
 
@@ -348,7 +365,7 @@ def backward_batched(
                 lb = scatter_rows(lb, jnp.broadcast_to(t, (B,)), c, act)
                 return t + 1, c, lb
 
-            _, _, lb = lax.while_loop(
+            _, _, lb = _vma.while_loop(
                 lambda rs: rs[0] < tmax, recompute, (jnp.ones((), jnp.int32), c0, lb0)
             )
 
@@ -358,12 +375,12 @@ def backward_batched(
                 state_c = gather_rows(lb, jnp.broadcast_to(t, (B,)))
                 return t - 1, reverse_step(s, start + t, state_c, act)
 
-            _, s = lax.while_loop(lambda us: us[0] >= 0, unwind, (tmax - 1, s))
+            _, s = _vma.while_loop(lambda us: us[0] >= 0, unwind, (tmax - 1, s))
         s = dict(s)
         s["r"] = s["r"] + 1
         return s
 
-    out = lax.while_loop(lambda s: s["r"] < rounds, segment_body, state)
+    out = _vma.while_loop(lambda s: s["r"] < rounds, segment_body, state)
     return out["acc"], out["ct"], out["ct_xs"]
 
 
@@ -534,7 +551,10 @@ def run_checkpointed(prob: Problem, consts, cconsts, init, xs, n, kd):
     def loop(consts, cconsts, init, xs, n, kd):
         return fwd_plain(consts, cconsts, init, xs, n, kd)
 
+    vmas = {}
+
     def loop_fwd(consts, cconsts, init, xs, n, kd):
+        vmas.update(k=_vma.varying_of(consts), c=_vma.varying_of(init), x=_vma.varying_of(xs))
         carry, ys, steps, stats, res = fwd_store(consts, cconsts, init, xs, n, kd)
         return (carry, ys, steps, stats), (consts, xs, kd, res, steps)
 
@@ -547,6 +567,8 @@ def run_checkpointed(prob: Problem, consts, cconsts, init, xs, n, kd):
         g_consts = merge(acc, [None] * (len(consts) - len(acc)), kmask)
         g_init = merge(ct_init, [None] * (len(cmask) - sum(cmask)), cmask)
         g_xs = merge(ct_xs, [None] * (len(xmask) - sum(xmask)), xmask)
+        g_consts, g_init = _vma.unvary_to(g_consts, vmas["k"]), _vma.unvary_to(g_init, vmas["c"])
+        g_xs = _vma.unvary_to(g_xs, vmas["x"])
         return g_consts, [None] * len(cconsts), g_init, g_xs, None, None
 
     loop.defvjp(loop_fwd, loop_bwd)
@@ -587,7 +609,10 @@ def run_batch(prob: Problem, consts, init, n, kd):
         carry, ys, steps, _, stats = fwd_impl(consts, init, n, kd, False)
         return carry, ys, steps, stats
 
+    vmas = {}
+
     def loop_fwd(consts, init, n, kd):
+        vmas.update(k=_vma.varying_of(consts), c=_vma.varying_of(init))
         carry, ys, steps, res, stats = fwd_impl(consts, init, n, kd, True)
         return (carry, ys, steps, stats), (consts, kd, res, steps)
 
@@ -603,7 +628,7 @@ def run_batch(prob: Problem, consts, init, n, kd):
             acc, ct, _ = backward_batched(*args)
         g_consts = merge(acc, [None] * (len(consts) - len(acc)), kmask)
         g_init = merge(ct, [None] * (len(cmask) - sum(cmask)), cmask)
-        return g_consts, g_init, None, None
+        return _vma.unvary_to(g_consts, vmas["k"]), _vma.unvary_to(g_init, vmas["c"]), None, None
 
     loop.defvjp(loop_fwd, loop_bwd)
     return loop(consts, list(init), n, kd)
@@ -769,11 +794,11 @@ def run_masked(prob: Problem, consts, cconsts, init, xs, n, kd):
             c, y = prob.step(consts, carry, x, key)
             return list(c), list(y)
 
-        carry, y = lax.cond(live, run, lambda c: (list(c), zeros_y), carry)
+        carry, y = _vma.cond(live, run, lambda c: (list(c), zeros_y), carry)
         return (carry, live, steps + live.astype(jnp.int32)), y
 
     init_state = (list(init), jnp.array(True), jnp.zeros((), jnp.int32))
-    (carry, _, steps), ys = lax.scan(body, init_state, jnp.arange(T, dtype=jnp.int32))
+    (carry, _, steps), ys = _vma.scan(body, init_state, jnp.arange(T, dtype=jnp.int32))
     return carry, list(ys), steps, stats_of(jnp.asarray(T, jnp.int32), 1)
 
 

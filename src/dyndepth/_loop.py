@@ -476,9 +476,12 @@ def repeat_batched(
       distributions, more slots take fewer iterations.
     - ``checkpoints``: as :func:`repeat`.
     - ``checked``: as :func:`repeat`.
-    - ``return_stats``: also return a dict of int32 scalars: ``iterations`` (loop iterations of
-      the forward pass), ``executed_sample_steps`` (``slots x iterations``), and
-      ``useful_sample_steps`` (``sum(depths)``).
+    - ``return_stats``: also return a dict of int32 values: ``iterations`` (loop iterations of
+      the forward pass; inside ``shard_map``, this device's),
+      ``executed_sample_steps`` (``slots x iterations``),
+      ``useful_sample_steps`` (``sum(depths)``), and ``per_device_executed_sample_steps`` /
+      ``per_device_useful_sample_steps`` (shape ``(1,)``: this device's figures, so that a
+      ``shard_map`` with ``out_specs=P(axis)`` gathers one entry per device).
 
     **Transformations:** jit, vmap (a batch of batches: the outer vmap masks), grad, vjp, jacrev,
     forward-over-reverse. Not jvp (use ``jax.vmap(repeat, ...)`` with ``strategy="while"``).
@@ -500,24 +503,31 @@ def repeat_batched(
 
     step_fn = _carry_step(f, keys is not None)
 
-    carry, _, _, stats = _build(
-        step_fn=step_fn,
-        fname="f",
-        init=inits,
-        xs=None,
-        length=max_depth,
-        n=depths,
-        key=keys,
-        cond_fn=None,
-        strategy="auto",
-        checkpoints=checkpoints,
-        slots=slots,
-        batch=True,
-    )
+    def run(inits, depths, keys):
+        return _build(
+            step_fn=step_fn,
+            fname="f",
+            init=inits,
+            xs=None,
+            length=max_depth,
+            n=depths,
+            key=keys,
+            cond_fn=None,
+            strategy="auto",
+            checkpoints=checkpoints,
+            slots=slots,
+            batch=True,
+        )[::3]
+
+    carry, stats = run(inits, depths, keys)
     if not return_stats:
         return carry
+    stats = stats.reshape(-1, 2)
+    useful = jnp.sum(depths.reshape(stats.shape[0], -1), axis=1)
     return carry, {
-        "iterations": stats[0],
-        "executed_sample_steps": stats[1],
+        "iterations": jnp.max(stats[:, 0]),
+        "executed_sample_steps": jnp.sum(stats[:, 1]),
         "useful_sample_steps": jnp.sum(depths),
+        "per_device_executed_sample_steps": stats[:, 1],
+        "per_device_useful_sample_steps": useful,
     }

@@ -21,8 +21,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
+from . import _vma
 from ._engine import Problem, acc_shapes, is_diff, rows_vjp, stats_of, take, where_b
 
 
@@ -60,7 +60,7 @@ def run_with_slots(fn, lengths, slots, candidates, *args, **kwargs):
         return lambda: fn(*args, slots=c, **kwargs)
 
     branches = [branch(c) for c in candidates]
-    return lax.switch(choose_slots(lengths, candidates), branches)
+    return _vma.switch(choose_slots(lengths, candidates), branches)
 
 
 def _rows(arr, idx):
@@ -156,7 +156,7 @@ def forward_scheduled(
         s["iters"] = s["iters"] + 1
         return s
 
-    out = lax.while_loop(lambda s: jnp.any(s["s_live"]), body, state)
+    out = _vma.while_loop(lambda s: jnp.any(s["s_live"]), body, state)
     res = (out["buf"], out["stride"]) if store else None
     return out["out"], out["ys"], out["steps"], res, stats_of(out["iters"], S)
 
@@ -184,7 +184,7 @@ def _store_scheduled(prob, s, idx, i, live, carry, drop):
             stride = stride.at[f_drop].set(st * 2, mode="drop")
             return buf, count, stride
 
-        buf, count, stride = lax.cond(jnp.any(full), compact, lambda a: a, (buf, count, stride))
+        buf, count, stride = _vma.cond(jnp.any(full), compact, lambda a: a, (buf, count, stride))
         cnt, st = _rows(count, idx), _rows(stride, idx)
     want = live & (i % st == 0)
     w_drop = _drop_idx(want, idx, count.shape[0])
@@ -268,5 +268,5 @@ def backward_scheduled(
         s["ptr"] = s["ptr"] + jnp.sum(done.astype(jnp.int32))
         return s
 
-    out = lax.while_loop(lambda s: jnp.any(s["s_live"]), body, state)
+    out = _vma.while_loop(lambda s: jnp.any(s["s_live"]), body, state)
     return out["acc"], out["ct_init"], out["ct_xs"]

@@ -7,16 +7,16 @@ import pytest
 from dyndepth import _cli
 
 
-def test_bench_quick_runs_and_writes_json(tmp_path, capsys):
+def test_bench_quick_runs_and_writes_json_and_plot(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert (
-        _cli.main(
-            ["bench", "core", "shared-depth", "--quick", "--repeats", "1", "--json", str(out)]
-        )
-        == 0
-    )
+    png = tmp_path / "plots" / "bench.png"  # the folder is created
+    argv = ["bench", "core", "shared-depth", "--quick", "--repeats", "1"]
+    assert _cli.main(argv + ["--json", str(out), "--plot", str(png)]) == 0
     text = capsys.readouterr().out
     assert "| dyndepth auto |" in text and "| seed scan+cond |" in text
+    assert f"plot: {png}" in text
+    data = png.read_bytes()
+    assert len(data) > 1000 and data.startswith(b"\x89PNG\r\n\x1a\n")
     report = json.loads(out.read_text())
     rows = report["workloads"]["core"]
     names = [r["contender"] for r in rows]
@@ -30,6 +30,15 @@ def test_bench_quick_runs_and_writes_json(tmp_path, capsys):
             assert r["grad_rel_err"] < 1e-4, r
         assert r["executed"] >= r["useful"] > 0
     assert {r["depth"] for r in report["workloads"]["shared-depth"]} == {3, 12}
+
+
+def test_bench_help_documents_plot(capsys):
+    with pytest.raises(SystemExit) as e:
+        _cli.main(["bench", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "--plot PNG" in text and "nothing is drawn without this option" in text
+    assert "big-params" in text and "--max-temp-gib" in text
 
 
 def test_bench_rejects_unknown_workload(capsys):

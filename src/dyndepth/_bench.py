@@ -1,6 +1,7 @@
 """Side-by-side benchmarks: the seed's scan + cond method, plain JAX loops and dyndepth, one run.
 
-    dyndepth bench [WORKLOAD ...] [--quick] [--repeats 5] [--json FILE]
+    dyndepth bench [WORKLOAD ...] [--quick] [--repeats 5] [--json FILE] [--plot PNG]
+                   [--max-temp-gib 16]
     python benchmarks/bench.py ...   # the same
 
 Each workload is a residual layer closing over a weight ``W`` (D x D), a batch of per-sample
@@ -8,13 +9,16 @@ depths, per-sample keys, ``jax.vmap`` + ``jax.jit``. For every contender: forwar
 value_and_grad time (median of repeats after a warm-up, blocking on the result), compile time
 apart, XLA temp memory of the compiled gradient, executed vs useful sample-steps, and the largest
 difference of outputs and gradients relative to the seed's method (which equals the plain-Python
-reference: tests check that). Ratios are against the seed's method.
+reference: tests check that). Ratios are against the seed's method. A compiled function whose XLA
+temp memory exceeds ``--max-temp-gib`` is not run; its row says so and still shows the memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import platform
 import statistics
 import sys
@@ -29,7 +33,7 @@ from jax import lax
 
 import dyndepth
 
-__all__ = ["WORKLOADS", "main", "run_workload", "seed_method"]
+__all__ = ["WORKLOADS", "main", "plot", "run_workload", "seed_method"]
 
 
 # ----------------------------------------------------------------------------- contenders
@@ -94,12 +98,13 @@ def equinox_available():
 
 
 def make_layer(W, kind):
-    """``x + tanh(x @ W)``, or (``dropout``) the seed's ReLU residual with dropout 0.5 on the
-    step key."""
-    if kind == "dropout":
+    """``x + tanh(x @ W)``; (``dropout``) the seed's ReLU residual with dropout 0.5 on the step
+    key; (``tanh-dropout``) ``x + dropout(tanh(x @ W))``, dropout 0.5 on the step key."""
+    if kind in ("dropout", "tanh-dropout"):
+        act = jax.nn.relu if kind == "dropout" else jnp.tanh
 
         def layer(x, key):
-            h = jax.nn.relu(x @ W)
+            h = act(x @ W)
             keep = jax.random.bernoulli(key, 0.5, h.shape)
             return x + jnp.where(keep, h * 2.0, 0.0)
 
@@ -119,6 +124,8 @@ class Contender:
     grad: bool  # reverse-differentiable?
     stats: bool = False  # reports executed sample-steps through repeat_batched
     batched: bool = False  # called on the whole batch (repeat_batched) instead of under vmap
+    checkpoints: int | None = None  # (batched) repeat_batched's checkpoints
+    full: bool = False  # runs all max_depth steps for every sample (scan + cond under vmap)
 
 
 def _dd(strategy, checkpoints=None):
@@ -144,8 +151,8 @@ def _wrap(method):
 
 
 CONTENDERS = [
-    Contender("seed scan+cond", _wrap(seed_method), True),
-    Contender("jax.checkpoint scan+cond", _wrap(remat_seed_method), True),
+    Contender("seed scan+cond", _wrap(seed_method), True, full=True),
+    Contender("jax.checkpoint scan+cond", _wrap(remat_seed_method), True, full=True),
     Contender("lax.while_loop", _wrap(lambda f, x, d, k, m: vmapped_while(f, x, d, k)), False),
     Contender("equinox checkpointed", _wrap(equinox_checkpointed), True),
     Contender("dyndepth while", _dd("while"), False),
@@ -165,8 +172,45 @@ class Workload:
     dim: int
     max_depth: int
     depths: str  # "uniform" | "long-tail"
-    layer: str  # "tanh" | "dropout"
+    layer: str  # "tanh" | "dropout" | "tanh-dropout"
     about: str
+    # also list dyndepth auto / repeat_batched with checkpoints=K (separate rows)
+    checkpoints: int | None = None
+    notes: tuple[str, ...] = ()  # printed under the table
+
+
+def checkpointed_contenders(k):
+    """The ``checkpoints=k`` rows: ``vmap(repeat(strategy="auto"))`` and ``repeat_batched``."""
+    return [
+        Contender(f"dyndepth auto checkpoints={k}", _dd("auto", k), True, stats=True),
+        Contender(
+            f"dyndepth repeat_batched checkpoints={k}",
+            None,
+            True,
+            stats=True,
+            batched=True,
+            checkpoints=k,
+        ),
+    ]
+
+
+def contenders_for(w: Workload):
+    """Every contender that runs on ``w``: ``CONTENDERS``, then its ``checkpoints=K`` rows."""
+    extra = [] if w.checkpoints is None else checkpointed_contenders(w.checkpoints)
+    return CONTENDERS + extra
+
+
+def quick(w: Workload) -> Workload:
+    """``w`` at tiny shapes (B=8, D=8, max_depth=12), for tests."""
+    return dataclasses.replace(
+        w,
+        batch=8,
+        dim=8,
+        max_depth=12,
+        about="quick",
+        checkpoints=None if w.checkpoints is None else 4,
+        notes=(),
+    )
 
 
 WORKLOADS = {
@@ -176,7 +220,44 @@ WORKLOADS = {
         "per-sample", 256, 256, 100, "uniform", "tanh", "B=256, D=256 tanh residual MLP"
     ),
     "long-tail": Workload(
-        "long-tail", 256, 64, 256, "long-tail", "tanh", "1 + Poisson(LogNormal), mean 32"
+        "long-tail",
+        256,
+        64,
+        256,
+        "long-tail",
+        "tanh",
+        "1 + Poisson(LogNormal), mean 32",
+        checkpoints=16,
+        notes=(
+            "With `checkpoints=None` the dyndepth rows store max_depth = 256 carries per sample; "
+            "the `checkpoints=16` rows store at most 16 + 16 (checkpoints + recompute buffer) and "
+            "recompute between checkpoints. Their backward pass runs masked over the batch "
+            "(B x max(depth) sample-steps, like `dyndepth checkpointed`), not scheduled: the "
+            "executed / useful column counts their (scheduled) forward pass only.",
+        ),
+    ),
+    "big-params": Workload(
+        "big-params",
+        32,
+        1024,
+        16,
+        "uniform",
+        "tanh-dropout",
+        "a layer closing over a 1024 x 1024 weight (4 MiB)",
+        notes=(
+            "W is shared by the batch. Under vmap the seed's `lax.cond` becomes a select over "
+            "the batch and W is broadcast to every sample (B x 4 MiB, in the forward pass too), "
+            "and the gradient keeps such a copy for every step; `jax.checkpoint` drops the "
+            "stored copies but still computes with them. The vmapped dyndepth loops keep one W "
+            "gradient per sample (B x 4 MiB; `dyndepth auto` two), Equinox's loop needs as "
+            "much; `repeat_batched` sums the W gradient inside its backward loop.",
+            "Sizes are kept small (B=32, max_depth=16) so that the seed's method still runs: "
+            "at B=64, max_depth=32 its value_and_grad took 34-56 s per call on the 2-core "
+            "development machine and needed 10.5 GiB of XLA temp memory.",
+            "rel. diff is about 5e-6 here, not 1e-7: float32 rounding of 1024-term dot "
+            "products. The seed's method and `repeat_batched` are both 5-6e-6 away from a "
+            "float64 plain-Python loop with the same dropout masks.",
+        ),
     ),
 }
 
@@ -193,13 +274,20 @@ def draw_depths(key, w: Workload):
 # ----------------------------------------------------------------------------- measuring
 
 
-def timeit(fn, args, repeats, budget_s=3.0):
-    """(median seconds, compile seconds, XLA temp bytes, result) of ``jax.jit(fn)(*args)``.
-
-    Slow functions get fewer repeats: at most ``budget_s`` seconds after the warm-up."""
+def compile_fn(fn, args):
+    """(compiled, compile seconds, XLA temp bytes or None) of ``jax.jit(fn)`` on ``args``."""
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
     compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    temp = getattr(mem, "temp_size_in_bytes", None) if mem is not None else None
+    return compiled, compile_s, temp
+
+
+def time_compiled(compiled, args, repeats, budget_s=3.0):
+    """(median seconds, result): a warm-up call, then up to ``repeats`` timed calls.
+
+    Slow functions get fewer repeats: at most ``budget_s`` seconds after the warm-up."""
     t0 = time.perf_counter()
     out = jax.block_until_ready(compiled(*args))
     warm = time.perf_counter() - t0
@@ -209,9 +297,14 @@ def timeit(fn, args, repeats, budget_s=3.0):
         t0 = time.perf_counter()
         jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - t0)
-    mem = compiled.memory_analysis()
-    temp = getattr(mem, "temp_size_in_bytes", None) if mem is not None else None
-    return statistics.median(times), compile_s, temp, out
+    return statistics.median(times), out
+
+
+def timeit(fn, args, repeats, budget_s=3.0):
+    """(median seconds, compile seconds, XLA temp bytes, result) of ``jax.jit(fn)(*args)``."""
+    compiled, compile_s, temp = compile_fn(fn, args)
+    t, out = time_compiled(compiled, args, repeats, budget_s)
+    return t, compile_s, temp, out
 
 
 def rel_err(a, b):
@@ -221,8 +314,26 @@ def rel_err(a, b):
     return num / max(den, 1e-30)
 
 
-def run_workload(w: Workload, repeats: int, contenders=None, progress=print):
-    """Measure every contender on ``w``; returns a list of row dicts."""
+def _measure(fn, args, repeats, max_temp_bytes):
+    """Compile ``fn``; run and time it unless its XLA temp memory exceeds ``max_temp_bytes``.
+
+    Returns a dict: ``compile_s``, ``temp``, then ``s`` and ``out``, or ``note`` (not run)."""
+    compiled, compile_s, temp = compile_fn(fn, args)
+    res = dict(compile_s=compile_s, temp=temp)
+    if max_temp_bytes is not None and temp is not None and temp > max_temp_bytes:
+        res["note"] = (
+            f"not run: XLA temp {temp / 2**30:.1f} GiB > --max-temp-gib {max_temp_bytes / 2**30:g}"
+        )
+        return res
+    res["s"], res["out"] = time_compiled(compiled, args, repeats)
+    return res
+
+
+def run_workload(w: Workload, repeats: int, contenders=None, progress=print, max_temp_bytes=None):
+    """Measure every contender on ``w``; returns a list of row dicts.
+
+    The correctness columns compare with the first contender that ran (the seed's method unless
+    ``max_temp_bytes`` kept it from running); each row names it in ``fwd_ref`` / ``grad_ref``."""
     k_w, k_x, k_d, k_k = jax.random.split(jax.random.PRNGKey(0), 4)
     W = jax.random.normal(k_w, (w.dim, w.dim)) / jnp.sqrt(w.dim)
     xs = jax.random.normal(k_x, (w.batch, w.dim))
@@ -232,7 +343,7 @@ def run_workload(w: Workload, repeats: int, contenders=None, progress=print):
     useful = int(ds.sum())
     rows = []
     ref_f = ref_g = None
-    for c in contenders or CONTENDERS:
+    for c in contenders if contenders is not None else contenders_for(w):
         if c.name.startswith("equinox") and not equinox_available():
             rows.append(dict(workload=w.name, contender=c.name, missing="not installed"))
             continue
@@ -240,7 +351,12 @@ def run_workload(w: Workload, repeats: int, contenders=None, progress=print):
         def fwd(W, xs, ds, ks, c=c):
             if c.batched:
                 return dyndepth.repeat_batched(
-                    make_layer(W, w.layer), xs, ds, max_depth=w.max_depth, keys=ks
+                    make_layer(W, w.layer),
+                    xs,
+                    ds,
+                    max_depth=w.max_depth,
+                    keys=ks,
+                    checkpoints=c.checkpoints,
                 )
             return jax.vmap(lambda x, d, k: c.fn(W, x, d, k, w.max_depth, w.layer))(xs, ds, ks)
 
@@ -248,27 +364,38 @@ def run_workload(w: Workload, repeats: int, contenders=None, progress=print):
             return jnp.mean(fwd(W, xs, ds, ks) ** 2)
 
         progress(f"  [{w.name}] {c.name}: forward", flush=True)
-        f_t, f_c, _, out = timeit(fwd, args, repeats)
-        row = dict(workload=w.name, contender=c.name, fwd_s=f_t, fwd_compile_s=f_c)
-        ref_f = out if ref_f is None else ref_f
-        row["fwd_rel_err"] = rel_err([out], [ref_f])
+        f = _measure(fwd, args, repeats, max_temp_bytes)
+        row = dict(workload=w.name, contender=c.name, fwd_compile_s=f["compile_s"])
+        if "note" in f:
+            row["fwd_note"] = f["note"]
+        else:
+            ref_f = (c.name, f["out"]) if ref_f is None else ref_f
+            row.update(fwd_s=f["s"], fwd_rel_err=rel_err([f["out"]], [ref_f[1]]), fwd_ref=ref_f[0])
         if c.grad:
             progress(f"  [{w.name}] {c.name}: value_and_grad", flush=True)
-            g_t, g_c, g_mem, (_, (gW, gx)) = timeit(
-                jax.value_and_grad(loss, argnums=(0, 1)), args, repeats
-            )
-            ref_g = (gW, gx) if ref_g is None else ref_g
-            row.update(
-                grad_s=g_t,
-                grad_compile_s=g_c,
-                grad_temp_bytes=g_mem,
-                grad_rel_err=rel_err([gW, gx], list(ref_g)),
-            )
-        if c.name.startswith("seed"):
+            g = _measure(jax.value_and_grad(loss, argnums=(0, 1)), args, repeats, max_temp_bytes)
+            row.update(grad_compile_s=g["compile_s"], grad_temp_bytes=g["temp"])
+            if "note" in g:
+                row["grad_note"] = g["note"]
+            else:
+                _, grads = g["out"]
+                ref_g = (c.name, grads) if ref_g is None else ref_g
+                row.update(
+                    grad_s=g["s"],
+                    grad_rel_err=rel_err(list(grads), list(ref_g[1])),
+                    grad_ref=ref_g[0],
+                )
+        if c.full:
             row["executed"] = w.batch * w.max_depth
         elif c.stats:
             _, st = dyndepth.repeat_batched(
-                make_layer(W, w.layer), xs, ds, max_depth=w.max_depth, keys=ks, return_stats=True
+                make_layer(W, w.layer),
+                xs,
+                ds,
+                max_depth=w.max_depth,
+                keys=ks,
+                checkpoints=c.checkpoints,
+                return_stats=True,
             )
             row["executed"] = int(st["executed_sample_steps"])
         else:
@@ -302,7 +429,17 @@ def shared_depth_rows(repeats, quick, progress=print):
             a = (W, xs, jnp.asarray(depth, jnp.int32), ks)
             f_t = timeit(fwd, a, repeats)[0]
             g_t = timeit(jax.value_and_grad(loss), a, repeats)[0]
-            rows.append(dict(contender=c.name, depth=depth, fwd_s=f_t, grad_s=g_t, max_depth=M))
+            rows.append(
+                dict(
+                    contender=c.name,
+                    depth=depth,
+                    fwd_s=f_t,
+                    grad_s=g_t,
+                    batch=B,
+                    dim=D,
+                    max_depth=M,
+                )
+            )
     return rows
 
 
@@ -317,7 +454,8 @@ def _x(base, v):
     return "" if (base is None or v is None) else f"{base / v:.1f}x"
 
 
-def table(rows):
+def table(rows, notes=()):
+    """The markdown table of ``run_workload``'s rows, then ``notes`` as a list."""
     base = rows[0]
     out = [
         "| contender | forward ms | vs seed | value_and_grad ms | vs seed | grad temp MiB "
@@ -331,21 +469,35 @@ def table(rows):
             continue
         mem = r.get("grad_temp_bytes")
         bmem = base.get("grad_temp_bytes")
+        fwd_err = r.get("fwd_rel_err")
+        grad_err = r.get("grad_rel_err")
         cells = [
             r["contender"],
-            _ms(r["fwd_s"]),
-            _x(base["fwd_s"], r["fwd_s"]),
-            _ms(r.get("grad_s")),
+            r.get("fwd_note") or _ms(r.get("fwd_s")),
+            _x(base.get("fwd_s"), r.get("fwd_s")),
+            r.get("grad_note") or _ms(r.get("grad_s")),
             _x(base.get("grad_s"), r.get("grad_s")),
             "n/a" if mem is None else f"{mem / 2**20:.2f}",
             "" if (mem is None or bmem is None) else f"{bmem / max(mem, 1):.0f}x",
             f"{r['executed']} / {r['useful']} ({r['executed'] / r['useful']:.2f}x)",
             f"{r['fwd_compile_s']:.2f} / "
             + ("-" if "grad_compile_s" not in r else f"{r['grad_compile_s']:.2f}"),
-            f"{r['fwd_rel_err']:.1e} / "
-            + ("-" if "grad_rel_err" not in r else f"{r['grad_rel_err']:.1e}"),
+            ("-" if fwd_err is None else f"{fwd_err:.1e}")
+            + " / "
+            + ("-" if grad_err is None else f"{grad_err:.1e}"),
         ]
         out.append("| " + " | ".join(cells) + " |")
+    notes = list(notes)
+    for key, what in (("fwd_ref", "outputs"), ("grad_ref", "gradients")):
+        refs = {r[key] for r in rows if key in r}
+        if refs and refs != {base["contender"]}:
+            notes.append(
+                f"rel. diff of {what} is against `{', '.join(sorted(refs))}`: "
+                f"`{base['contender']}` was not run."
+            )
+    if notes:
+        out.append("")
+        out.extend(f"- {n}" for n in notes)
     return "\n".join(out)
 
 
@@ -374,21 +526,163 @@ def header():
     )
 
 
+# ----------------------------------------------------------------------------- plotting
+
+
+def plot(report, path):
+    """Draw ``main``'s report as a PNG at ``path`` (matplotlib, Agg; imported here only).
+
+    ``shared-depth``: forward and value_and_grad time against the depth, one line per contender.
+    Other workloads: grouped bars of value_and_grad time and of its XLA temp memory, one group per
+    workload, one bar per differentiable contender. Log scales; rows that did not run are marked.
+    """
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    wls = report["workloads"]
+    shared = wls.get("shared-depth") or []
+    # per-sample workloads: the differentiable contenders (and those not installed)
+    groups = [
+        (n, [r for r in rs if "grad_temp_bytes" in r or "missing" in r])
+        for n, rs in wls.items()
+        if n != "shared-depth"
+    ]
+    names = []
+    for rs in [shared, *(g for _, g in groups)]:
+        for r in rs:
+            if r["contender"] not in names:
+                names.append(r["contender"])
+
+    cmap = matplotlib.colormaps["tab10" if len(names) <= 10 else "tab20"]
+    color = {n: cmap(i % cmap.N) for i, n in enumerate(names)}
+
+    nrows = int(bool(shared)) + int(bool(groups))
+    fig = Figure(figsize=(14, 4.8 * max(nrows, 1) + 1.2))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(max(nrows, 1), 2, squeeze=False)
+    row = 0
+    if shared:
+        by = {}
+        for r in shared:
+            by.setdefault(r["contender"], []).append(r)
+        r0 = shared[0]
+        for ax, key, what in (
+            (axes[row][0], "fwd_s", "forward"),
+            (axes[row][1], "grad_s", "value_and_grad"),
+        ):
+            for n, rs in by.items():
+                ax.plot(
+                    [r["depth"] for r in rs],
+                    [r[key] * 1e3 for r in rs],
+                    marker="o",
+                    color=color[n],
+                    label=n,
+                )
+            ax.set_yscale("log")
+            ax.set_xticks(sorted({r["depth"] for r in shared}))
+            ax.set_xlabel("depth (one for the whole batch)")
+            ax.set_ylabel(f"{what} ms")
+            ax.set_title(
+                f"shared-depth: {what} (B={r0['batch']}, D={r0['dim']}, "
+                f"max_depth={r0['max_depth']})"
+            )
+            ax.grid(True, which="both", alpha=0.3)
+        row += 1
+    if groups:
+        width = 0.85 / max(max(len(g) for _, g in groups), 1)
+        for ax, what in ((axes[row][0], "time"), (axes[row][1], "memory")):
+            for gi, (_, rs) in enumerate(groups):
+                x0 = gi - width * (len(rs) - 1) / 2
+                for j, r in enumerate(rs):
+                    x = x0 + j * width
+                    if what == "time":
+                        v = r.get("grad_s")
+                        v = None if v is None else v * 1e3
+                    else:
+                        v = r.get("grad_temp_bytes")
+                        v = None if v is None else v / 2**20
+                    if v is None:
+                        label = "n/i" if "missing" in r else "not run"
+                        ax.text(
+                            x,
+                            0.02,
+                            label,
+                            rotation=90,
+                            ha="center",
+                            va="bottom",
+                            fontsize=7,
+                            color=color[r["contender"]],
+                            transform=ax.get_xaxis_transform(),
+                        )
+                        continue
+                    ax.bar(x, v, width=width, color=color[r["contender"]])
+            ax.set_yscale("log")
+            ax.set_xticks(range(len(groups)), [n for n, _ in groups])
+            ax.set_ylabel("value_and_grad ms" if what == "time" else "grad XLA temp MiB")
+            ax.set_title(
+                "value_and_grad time (per-sample depths)"
+                if what == "time"
+                else "XLA temp memory of value_and_grad"
+            )
+            ax.grid(True, axis="y", which="both", alpha=0.3)
+    handles = [Patch(color=color[n], label=n) for n in names]
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=9, frameon=False)
+    fig.suptitle(report.get("header", ""), fontsize=9)
+    legend_rows = (len(names) + 3) // 4
+    fig.tight_layout(rect=(0, 0.035 * legend_rows / max(nrows, 1), 1, 0.97))
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    fig.savefig(path, dpi=100)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="dyndepth bench", description=__doc__.splitlines()[0])
     names = list(WORKLOADS) + ["shared-depth"]
-    p.add_argument("workloads", nargs="*", help=f"any of {names} (default: all)")
+    listing = [f"  {n:<13} {w.about}" for n, w in WORKLOADS.items()]
+    listing.append(f"  {'shared-depth':<13} one depth for the whole batch, swept over 10..100")
+    p = argparse.ArgumentParser(
+        prog="dyndepth bench",
+        description=__doc__.splitlines()[0],
+        epilog="workloads:\n" + "\n".join(listing),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("workloads", nargs="*", help="workloads to run (default: all, listed below)")
     p.add_argument("--quick", action="store_true", help="tiny shapes, for tests")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", metavar="FILE", help="also write all rows as JSON")
+    p.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="also draw the results as a PNG at this path (needs matplotlib; nothing is drawn "
+        "without this option), e.g. benchmarks/bench.png: time vs depth for shared-depth, "
+        "grouped bars of value_and_grad time and temp memory for the other workloads",
+    )
+    p.add_argument(
+        "--max-temp-gib",
+        type=float,
+        default=16.0,
+        metavar="GIB",
+        help="do not run a compiled function whose XLA temp memory exceeds this; its row says "
+        "so and still shows the memory (default: %(default)s)",
+    )
     a = p.parse_args(argv)
     for name in a.workloads:
         if name not in names:
             p.error(f"unknown workload {name!r}; choose from {names}")
+    if a.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--plot needs matplotlib (pip install matplotlib)")
     chosen = a.workloads or names
     print(header())
     print(f"command: dyndepth bench {' '.join(argv if argv is not None else sys.argv[1:])}")
-    report = {"header": header(), "workloads": {}}
+    report = {"header": header(), "workloads": {}, "meta": {}}
+    max_temp = a.max_temp_gib * 2**30
     for name in chosen:
         if name == "shared-depth":
             rows = shared_depth_rows(a.repeats, a.quick, progress=_progress)
@@ -397,17 +691,21 @@ def main(argv=None):
         else:
             w = WORKLOADS[name]
             if a.quick:
-                w = Workload(w.name, 8, 8, 12, w.depths, w.layer, "quick")
-            rows = run_workload(w, a.repeats, progress=_progress)
+                w = quick(w)
+            rows = run_workload(w, a.repeats, progress=_progress, max_temp_bytes=max_temp)
             print(
                 f"\n### {w.name}: {w.about}; B={w.batch}, D={w.dim}, max_depth={w.max_depth}, "
                 f"{w.depths} depths, {w.layer} layer\n"
             )
-            print(table(rows), flush=True)
+            print(table(rows, w.notes), flush=True)
+            report["meta"][name] = dataclasses.asdict(w)
         report["workloads"][name] = rows
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(report, fh, indent=2)
+    if a.plot:
+        plot(report, a.plot)
+        print(f"\nplot: {a.plot}")
     return report
 
 

@@ -794,7 +794,14 @@ def run_masked(prob: Problem, consts, cconsts, init, xs, n, kd):
             c, y = prob.step(consts, carry, x, key)
             return list(c), list(y)
 
-        carry, y = _vma.cond(live, run, lambda c: (list(c), zeros_y), carry)
+        if _vma.manual_axes():
+            # Inside shard_map, vmap's rewrite of a cond into a select trips over the varying
+            # types of the branches; run the step and select, which is what vmap does anyway.
+            new_c, new_y = run(carry)
+            carry = [jnp.where(live, a, b) for a, b in zip(new_c, carry, strict=True)]
+            y = [jnp.where(live, a, b) for a, b in zip(new_y, zeros_y, strict=True)]
+        else:
+            carry, y = _vma.cond(live, run, lambda c: (list(c), zeros_y), carry)
         return (carry, live, steps + live.astype(jnp.int32)), y
 
     init_state = (list(init), jnp.array(True), jnp.zeros((), jnp.int32))

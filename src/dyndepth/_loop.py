@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _checks
+from . import _checks, _vma
 from ._engine import STRATEGY_FNS, Problem, run_batch
 from ._keys import KeySchedule, check_key
 
@@ -34,13 +34,18 @@ def _hoist(fn: Callable, *example_args: Any):
 
     Unlike ``jax.closure_convert`` this hoists *all* constants, tracers of an enclosing ``vmap``
     included, so the loop internals (custom_vjp / custom_vmap) never close over a tracer.
+
+    Inside ``jax.shard_map`` the examples are traced as varying over the manual mesh axes, like
+    the loop state they stand for, and the arguments are made varying before each call.
     """
+    example_args = jax.tree_util.tree_map(_vma.varying_example, example_args)
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*example_args)
     jaxpr, consts = closed.jaxpr, list(closed.consts)
     out_tree = jax.tree_util.tree_structure(out_shape)
 
     def call(consts, *args):
-        out = jax.core.eval_jaxpr(jaxpr, consts, *jax.tree_util.tree_leaves(args))
+        leaves = _vma.vary(jax.tree_util.tree_leaves(args))
+        out = _vma.eval_jaxpr(jaxpr, consts, *leaves)
         return jax.tree_util.tree_unflatten(out_tree, out)
 
     return call, consts, out_shape
@@ -90,7 +95,11 @@ def _build(
         check_key(key[0] if batch else key, "keys[0]" if batch else "key")
         keys = KeySchedule(key)
         kd = keys.data
-        key_example = keys.key_at(kd[0] if batch else kd, jnp.zeros((), jnp.int32))
+        # Abstract, like the other examples: a key example built from the real key data would
+        # carry that data's sharding type inside ``shard_map`` (varying over the mesh) while the
+        # carry example does not, and the traced step would then pin a cast between the two.
+        kd_example = jax.ShapeDtypeStruct(kd.shape[1:] if batch else kd.shape, kd.dtype)
+        key_example = jax.eval_shape(lambda d: keys.key_at(d, jnp.zeros((), jnp.int32)), kd_example)
     elif batch:
         kd = jnp.zeros(n.shape, jnp.uint32)
 

@@ -50,6 +50,106 @@ def vary(tree: Any, axes: tuple[str, ...] | None = None) -> Any:
     return jax.tree_util.tree_map(one, tree)
 
 
+def _aval_varying(aval: Any) -> frozenset:
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        mat = getattr(aval, "manual_axis_type", None)
+        vma = getattr(mat, "varying", ())
+    return frozenset(vma)
+
+
+def varying_example(example: Any) -> Any:
+    """``example`` (a ``ShapeDtypeStruct``) as varying over every manual axis, if any.
+
+    The step functions are traced once on abstract examples. Inside ``shard_map`` the loop
+    state is varying, so the examples must be too: otherwise the traced step pins casts (or
+    inner ``cond``/``scan`` types) for replicated inputs that no longer fit at run time.
+    """
+    axes = manual_axes()
+    if not axes or example is None:
+        return example
+    mesh = jax.sharding.get_abstract_mesh()
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*[None] * example.ndim))
+    try:  # the keyword moved between JAX releases
+        mat = jax.sharding.ManualAxisType(varying=frozenset(axes))
+        return jax.ShapeDtypeStruct(
+            example.shape, example.dtype, sharding=sharding, manual_axis_type=mat
+        )
+    except (AttributeError, TypeError):
+        try:
+            return jax.ShapeDtypeStruct(
+                example.shape, example.dtype, sharding=sharding, vma=frozenset(axes)
+            )
+        except TypeError:
+            return example
+
+
+def _closed_jaxpr_param(params: dict) -> Any:
+    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        inner = params.get(name)
+        if inner is not None and hasattr(inner, "jaxpr") and hasattr(inner, "consts"):
+            return inner
+    return None
+
+
+def eval_jaxpr(jaxpr: Any, consts: list, *args: Any) -> list:
+    """``jax.core.eval_jaxpr``, reconciling varying types that differ from the traced ones.
+
+    Outside ``shard_map`` this is ``jax.core.eval_jaxpr``. Inside, an input may vary over more
+    manual axes at run time than when the jaxpr was traced (a replicated parameter made varying
+    so that its gradient stays per device, or a key built from sharded data). Then a traced
+    ``pvary`` of an already-varying value is skipped, a primitive whose inputs vary over
+    different axes gets them all cast to the union (what ``jax.numpy`` does while tracing), and
+    a call (``jit``, ``custom_jvp``/``custom_vjp`` function) whose traced inputs no longer match
+    is evaluated inline, the same computation (a custom derivative rule of such a call then no
+    longer applies; only calls on replicated parameters alone are affected).
+    """
+    if not manual_axes():
+        return jax.core.eval_jaxpr(jaxpr, consts, *args)
+    from jax.extend.core import Literal
+
+    env: dict = {}
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        inner = _closed_jaxpr_param(eqn.params)
+        if name == "pvary" or (name == "pcast" and str(eqn.params.get("to")) == "varying"):
+            outs = [vary(x, tuple(eqn.params["axes"])) for x in invals]
+        elif inner is not None and any(
+            varying(x) != _aval_varying(a) for x, a in zip(invals, inner.in_avals, strict=False)
+        ):
+            outs = eval_jaxpr(inner.jaxpr, inner.consts, *invals[-len(inner.in_avals) :])
+        else:
+            if inner is None and not any(
+                hasattr(p, "jaxpr") or isinstance(p, tuple | list) and p and hasattr(p[0], "jaxpr")
+                for p in eqn.params.values()
+            ):
+                vmas = {varying(x) for x in invals}
+                if len(vmas) > 1:
+                    invals = [vary(x, tuple(sorted(frozenset().union(*vmas)))) for x in invals]
+            bind = eqn.primitive.get_bind_params(eqn.params)
+            subfuns, bind = bind if isinstance(bind, tuple) else ((), bind)
+            ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
+            if ctx is None:
+                outs = eqn.primitive.bind(*subfuns, *invals, **bind)
+            else:
+                with ctx:
+                    outs = eqn.primitive.bind(*subfuns, *invals, **bind)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
 def varying_of(leaves: Any) -> list[frozenset]:
     """``varying`` of each leaf (empty sets outside ``shard_map``)."""
     if not manual_axes():

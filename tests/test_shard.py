@@ -105,11 +105,13 @@ KEYED_SCRIPT = textwrap.dedent(
 
     def layer(W):
         # A fresh dropout mask per step (the key), constants made inside the step (0.5,
-        # jnp.ones) and a lax.cond on the carry: each of them once failed to type-check inside
-        # shard_map, where the loop state varies over the mesh.
+        # jnp.ones) and control flow on the carry: each of them once failed to type-check
+        # inside shard_map, where the loop state varies over the mesh.
         def f(c, k):
             h = jnp.tanh(c @ W) * 0.5 + jnp.ones(D) / D
-            h = lax.cond(jnp.sum(h) > 0, lambda: h, lambda: -h)
+            # inner control flow that uses the replicated W (traced anew when W's type changes)
+            h = lax.cond(jnp.sum(h) > 0, lambda: h @ W, lambda: -h)
+            h = lax.fori_loop(0, 2, lambda i, h: h + 0.1 * jnp.tanh(h @ W), h)  # a scan
             return c + jnp.where(jax.random.bernoulli(k, 0.5, h.shape), 2 * h, 0.0)
         return f
 
@@ -162,6 +164,16 @@ KEYED_SCRIPT = textwrap.dedent(
                 in_loops=collectives_in_loops(hlo),
                 all_reduce=hlo.count("all-reduce("),
             )
+    # Under plain jit, a batch sharded over Explicit mesh axes gets a clear error that points
+    # to shard_map (the scheduler runs per device only there).
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+    try:
+        jax.jit(batched)(put(W, P()), put(x, P("data")), put(depths, P("data")),
+                         put(keys, P("data")))
+        results["explicit_error"] = ""
+    except ValueError as e:
+        results["explicit_error"] = str(e)
     # the masked reference and the scheduled loops agree on one device too
     results["agree"] = max(
         float(jnp.max(abs(a - b)) / jnp.max(abs(b)))
@@ -182,6 +194,8 @@ def test_shard_map_keyed_steps_with_constants_and_cond():
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
     results = json.loads(line[len("RESULT") :])
     assert results.pop("agree") < 1e-5
+    msg = results.pop("explicit_error")
+    assert "sharded over the mesh axes ('data')" in msg and "jax.shard_map" in msg, msg
     assert len(results) == 6
     for name, rec in results.items():
         # relative to the largest entry: float32 sums in another order over the devices

@@ -92,7 +92,10 @@ def _build(
     kd = jnp.zeros((), jnp.uint32)
     key_example = None
     if key is not None:
-        check_key(key[0] if batch else key, "keys[0]" if batch else "key")
+        check_key(
+            jax.ShapeDtypeStruct(key.shape[1:], key.dtype) if batch else key,
+            "keys[0]" if batch else "key",
+        )
         keys = KeySchedule(key)
         kd = keys.data
         # Abstract, like the other examples: a key example built from the real key data would

@@ -53,6 +53,15 @@ def choose_slots(lengths: jax.Array, candidates: tuple[int, ...]) -> jax.Array:
 def run_with_slots(fn, lengths, slots, candidates, *args, **kwargs):
     """``fn(*args, slots=S, **kwargs)`` with a static ``slots``, or chosen at run time among
     ``candidates`` by :func:`choose_slots` (one compiled branch each)."""
+    mesh, axes = _vma.explicit_batch_axes(lengths)
+    if mesh is not None:
+        spec = ", ".join(repr(a) for a in axes)
+        raise ValueError(
+            f"the batch of depths is sharded over the mesh axes ({spec}) under plain jax.jit: "
+            "dyndepth's per-sample scheduler runs per device, inside jax.shard_map. Call the "
+            f"loop inside jax.shard_map(..., in_specs=P({spec}), out_specs=P({spec})) with the "
+            "batch split over those axes (README, 'Scaling out')."
+        )
     if slots is not None or len(candidates) == 1:
         return fn(*args, slots=slots or candidates[0], **kwargs)
 

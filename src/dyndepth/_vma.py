@@ -84,11 +84,83 @@ def varying_example(example: Any) -> Any:
             return example
 
 
-def _closed_jaxpr_param(params: dict) -> Any:
+_CALLS = frozenset(
+    {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint"}
+    | {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"}
+)
+
+
+def _call_jaxpr(params: dict) -> tuple[Any, list] | None:
+    """The (open jaxpr, consts) a call-like equation evaluates."""
     for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         inner = params.get(name)
-        if inner is not None and hasattr(inner, "jaxpr") and hasattr(inner, "consts"):
-            return inner
+        if inner is None:
+            continue
+        if hasattr(inner, "consts"):
+            return inner.jaxpr, list(inner.consts)
+        if hasattr(inner, "eqns"):
+            return inner, []
+    return None
+
+
+def _in_varying(jaxpr: Any) -> list[frozenset]:
+    return [_aval_varying(v.aval) for v in jaxpr.invars]
+
+
+def _fits(invals: list, jaxpr: Any) -> bool:
+    return all(varying(x) == want for x, want in zip(invals, _in_varying(jaxpr), strict=False))
+
+
+def _closed_fn(closed: Any) -> Callable:
+    return lambda *a: eval_jaxpr(closed.jaxpr, list(closed.consts), *a)
+
+
+def _retrace(eqn: Any, invals: list) -> list | None:
+    """Re-run a call, ``cond``, ``while`` or ``scan`` equation through the ``lax`` function, so
+    that its inner jaxprs are traced anew for the types its inputs have now. None when the
+    equation is none of these, or a call whose traced input types still fit."""
+    name, params = eqn.primitive.name, eqn.params
+    if name in _CALLS:
+        call = _call_jaxpr(params)
+        if call is None or _fits(invals[-len(call[0].invars) :], call[0]):
+            return None
+        jaxpr, consts = call
+        return eval_jaxpr(jaxpr, consts, *invals[-len(jaxpr.invars) :])
+    # Control flow is always traced anew with every input varying: its inner jaxprs then hold
+    # no cast of an input, which ``vmap`` (turning a batched ``cond`` into a select, which
+    # broadcasts the operands) would otherwise apply to an already-varying value.
+    if name in ("cond", "while", "scan"):
+        invals = vary(list(invals))
+    if name == "cond":
+        branches = params["branches"]
+        return cond_index(invals[0], [_closed_fn(br) for br in branches], invals[1:])
+    if name == "while":
+        cn, bn = params["cond_nconsts"], params["body_nconsts"]
+        cj, bj = params["cond_jaxpr"], params["body_jaxpr"]
+        cc, bc, init = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
+        return while_loop(
+            lambda s: eval_jaxpr(cj.jaxpr, list(cj.consts), *cc, *s)[0],
+            lambda s: eval_jaxpr(bj.jaxpr, list(bj.consts), *bc, *s),
+            list(init),
+        )
+    if name == "scan":
+        body = params["jaxpr"]
+        nc, nk = params["num_consts"], params["num_carry"]
+        consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
+
+        def step(c, x):
+            out = eval_jaxpr(body.jaxpr, list(body.consts), *consts, *c, *x)
+            return out[:nk], out[nk:]
+
+        carry, ys = scan(
+            step,
+            list(init),
+            list(xs),
+            length=params["length"],
+            reverse=params["reverse"],
+            unroll=params.get("unroll", 1),
+        )
+        return list(carry) + list(ys)
     return None
 
 
@@ -97,12 +169,13 @@ def eval_jaxpr(jaxpr: Any, consts: list, *args: Any) -> list:
 
     Outside ``shard_map`` this is ``jax.core.eval_jaxpr``. Inside, an input may vary over more
     manual axes at run time than when the jaxpr was traced (a replicated parameter made varying
-    so that its gradient stays per device, or a key built from sharded data). Then a traced
-    ``pvary`` of an already-varying value is skipped, a primitive whose inputs vary over
-    different axes gets them all cast to the union (what ``jax.numpy`` does while tracing), and
-    a call (``jit``, ``custom_jvp``/``custom_vjp`` function) whose traced inputs no longer match
-    is evaluated inline, the same computation (a custom derivative rule of such a call then no
-    longer applies; only calls on replicated parameters alone are affected).
+    so that its gradient stays per device, a key built from sharded data, or a step traced
+    outside ``shard_map`` and run inside). Then a traced ``pvary`` of an already-varying value
+    is skipped, a primitive whose inputs vary over different axes gets them all cast to the
+    union (what ``jax.numpy`` does while tracing), and a ``cond``, ``while``, ``scan`` or call
+    (``jit``, ``custom_jvp``/``custom_vjp`` function) whose traced input types no longer fit is
+    traced anew (a call is inlined: the same computation, but a custom derivative rule of such
+    a call no longer applies).
     """
     if not manual_axes():
         return jax.core.eval_jaxpr(jaxpr, consts, *args)
@@ -120,18 +193,10 @@ def eval_jaxpr(jaxpr: Any, consts: list, *args: Any) -> list:
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         name = eqn.primitive.name
-        inner = _closed_jaxpr_param(eqn.params)
         if name == "pvary" or (name == "pcast" and str(eqn.params.get("to")) == "varying"):
             outs = [vary(x, tuple(eqn.params["axes"])) for x in invals]
-        elif inner is not None and any(
-            varying(x) != _aval_varying(a) for x, a in zip(invals, inner.in_avals, strict=False)
-        ):
-            outs = eval_jaxpr(inner.jaxpr, inner.consts, *invals[-len(inner.in_avals) :])
-        else:
-            if inner is None and not any(
-                hasattr(p, "jaxpr") or isinstance(p, tuple | list) and p and hasattr(p[0], "jaxpr")
-                for p in eqn.params.values()
-            ):
+        elif (outs := _retrace(eqn, invals)) is None:
+            if not any(_has_jaxpr(p) for p in eqn.params.values()):
                 vmas = {varying(x) for x in invals}
                 if len(vmas) > 1:
                     invals = [vary(x, tuple(sorted(frozenset().union(*vmas)))) for x in invals]
@@ -148,6 +213,34 @@ def eval_jaxpr(jaxpr: Any, consts: list, *args: Any) -> list:
         for v, x in zip(eqn.outvars, outs, strict=True):
             env[v] = x
     return [read(v) for v in jaxpr.outvars]
+
+
+def _has_jaxpr(p: Any) -> bool:
+    if isinstance(p, tuple | list):
+        return any(_has_jaxpr(q) for q in p)
+    return hasattr(p, "jaxpr") or hasattr(p, "eqns")
+
+
+def explicit_batch_axes(x: Any) -> tuple[Any, tuple[str, ...]]:
+    """``(mesh, axes)`` when the leading axis of ``x`` is sharded over ``Explicit`` mesh axes.
+
+    That is how ``jax.jit`` sees a batch placed with ``jax.device_put(x, NamedSharding(mesh,
+    P("data")))`` on a mesh from ``jax.make_mesh`` (whose axes are ``Explicit`` by default).
+    ``(None, ())`` otherwise: unsharded, ``Auto`` axes (the sharding is not part of the type
+    then) or already inside ``shard_map``.
+    """
+    try:
+        sharding = jax.typeof(x).sharding
+        mesh, spec = sharding.mesh, sharding.spec
+    except AttributeError:
+        return None, ()
+    if mesh.empty or not len(spec) or spec[0] is None:
+        return None, ()
+    lead = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    if manual_axes() or any(types.get(a) != jax.sharding.AxisType.Explicit for a in lead):
+        return None, ()
+    return mesh, tuple(lead)
 
 
 def varying_of(leaves: Any) -> list[frozenset]:
@@ -183,16 +276,16 @@ def while_loop(cond: Callable, body: Callable, init: Any) -> Any:
     return lax.while_loop(cond, lambda s: vary(body(s), axes), vary(init, axes))
 
 
-def scan(body: Callable, init: Any, xs: Any) -> Any:
+def scan(body: Callable, init: Any, xs: Any, **kwargs: Any) -> Any:
     axes = manual_axes()
     if not axes:
-        return lax.scan(body, init, xs)
+        return lax.scan(body, init, xs, **kwargs)
 
     def wrapped(c, x):
         c, y = body(c, x)
         return vary(c, axes), vary(y, axes)
 
-    return lax.scan(wrapped, vary(init, axes), xs)
+    return lax.scan(wrapped, vary(init, axes), xs, **kwargs)
 
 
 def cond(pred: Any, true_fn: Callable, false_fn: Callable, *operands: Any) -> Any:
@@ -204,6 +297,14 @@ def cond(pred: Any, true_fn: Callable, false_fn: Callable, *operands: Any) -> An
         lambda *a: vary(true_fn(*a), axes),
         lambda *a: vary(false_fn(*a), axes),
         *vary(operands, axes),
+    )
+
+
+def cond_index(index: Any, branches: list[Callable], operands: list) -> list:
+    """``lax.switch(index, branches, *operands)`` with every output varying (inside shard_map)."""
+    axes = manual_axes()
+    return lax.switch(
+        index, [lambda *a, b=b: vary(list(b(*a)), axes) for b in branches], *vary(operands, axes)
     )
 
 

@@ -2,13 +2,15 @@
 
 ``dyndepth.nn.layer_drop`` in batch mode (one decision per layer) over a stack of 24 residual
 MLP layers (D=256, batch 64), rate 0.5 against rate 0 (which runs a plain ``lax.scan`` over the
-stack), for the forward pass and for ``value_and_grad``. Each configuration is compiled once
-(compile time reported apart), warmed up, then timed with ``block_until_ready``: the median of
-``--repeats`` runs per key (configurations take turns), averaged over ``--keys`` keys (the
-number of layers kept varies with the key; its mean is reported). Prints a Markdown table; the
-target is a ratio <= 0.65 at rate 0.5.
+stack), for the forward pass and for ``value_and_grad``. ``strategy="auto"`` runs
+``dyndepth.scan`` over the kept layers only, and recomputes each kept layer once in the backward
+pass; ``"masked"`` is a ``lax.scan`` over all 24 layers with a ``lax.cond`` per layer.
+Each configuration is compiled once (compile time reported apart), warmed up, then timed with
+``block_until_ready``: the median of ``--repeats`` runs per key (configurations take turns),
+averaged over ``--keys`` keys (the number of layers kept varies with the key; its mean is
+reported). Prints a Markdown table; the target is a ratio <= 0.65 at rate 0.5.
 
-    python benchmarks/bench_layer_drop.py [--repeats 20] [--keys 8]
+    python benchmarks/bench_layer_drop.py [--repeats 20] [--keys 8] [--dim 256] [--batch 64]
 """
 
 from __future__ import annotations
@@ -24,14 +26,14 @@ import numpy as np
 import dyndepth
 import dyndepth.nn as dnn
 
-L, D, B = 24, 256, 64
+L = 24
 
 
 def layer(p, x):
     return x + jnp.tanh(x @ p["w"] + p["b"])
 
 
-def make_inputs():
+def make_inputs(D, B):
     k1, k2 = jax.random.split(jax.random.PRNGKey(0))
     params = {
         "w": jax.random.normal(k1, (L, D, D), jnp.float32) / np.sqrt(D),
@@ -81,14 +83,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--keys", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=256, help="layer width D (default 256)")
+    parser.add_argument("--batch", type=int, default=64, help="rows of x (default 64)")
     args = parser.parse_args()
+    D, B = args.dim, args.batch
 
-    params, x = make_inputs()
+    params, x = make_inputs(D, B)
     keys = jax.random.split(jax.random.PRNGKey(1), args.keys)
     kept = np.mean([int(jnp.sum(jax.random.bernoulli(k, 0.5, (L,)))) for k in keys])
     configs = [
         ("rate 0 (plain lax.scan)", 0.0, "auto", False, L),
         ('rate 0.5, strategy="auto" (default)', 0.5, "auto", False, kept),
+        (
+            'rate 0.5, strategy="checkpointed" (scan over kept layers)',
+            0.5,
+            "checkpointed",
+            False,
+            kept,
+        ),
         ('rate 0.5, strategy="masked"', 0.5, "masked", False, kept),
         ('rate 0 traced, strategy="auto" (the dyndepth loop over all 24)', 0.0, "auto", True, L),
     ]

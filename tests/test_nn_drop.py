@@ -285,3 +285,19 @@ def test_layer_drop_errors():
         dnn.layer_drop(layer, PARAMS, X, None, 0.1)
     with pytest.raises(ValueError, match=r"`strategy` must be one of"):
         dnn.layer_drop(layer, PARAMS, X, KEY, 0.1, strategy="fast")
+
+
+def test_layer_drop_shared_key_under_vmap_skips_dropped_layers():
+    """A key shared by the vmapped samples: one decision per layer, dropped layers skipped."""
+    counter = Counter()
+
+    def counted(p, x):
+        counter.tick()
+        return layer(p, x)
+
+    f = jax.jit(lambda key: jax.vmap(lambda x: dnn.layer_drop(counted, PARAMS, x, key, 0.5))(X))
+    for key in KEYS[:3]:
+        kept = int(jnp.sum(jax.random.bernoulli(key, 0.5, (L,))))
+        assert counter.run(f, key) == kept
+        ref = layer_drop_reference(PARAMS, X, key, 0.5, "batch")
+        tree_allclose(f(key), ref)

@@ -414,12 +414,17 @@ def shared_depth_rows(repeats, quick, progress=print):
     xs = jax.random.normal(k_x, (B, D))
     ks = jax.random.split(k_k, B)
     rows = []
-    for c in [c for c in CONTENDERS if c.grad and not c.batched]:
+    for c in [c for c in CONTENDERS if c.grad]:
         if c.name.startswith("equinox") and not equinox_available():
             continue
         for depth in sweep:
 
             def fwd(W, xs, d, ks, c=c):
+                if c.batched:  # the same depth for every sample
+                    ds = jnp.full((B,), d, jnp.int32)
+                    return dyndepth.repeat_batched(
+                        make_layer(W, "tanh"), xs, ds, max_depth=M, keys=ks
+                    )
                 return jax.vmap(lambda x, k: c.fn(W, x, d, k, M, "tanh"))(xs, ks)
 
             def loss(W, xs, d, ks, fwd=fwd):

@@ -94,13 +94,6 @@ def main() -> None:
     configs = [
         ("rate 0 (plain lax.scan)", 0.0, "auto", False, L),
         ('rate 0.5, strategy="auto" (default)', 0.5, "auto", False, kept),
-        (
-            'rate 0.5, strategy="checkpointed" (scan over kept layers)',
-            0.5,
-            "checkpointed",
-            False,
-            kept,
-        ),
         ('rate 0.5, strategy="masked"', 0.5, "masked", False, kept),
         ('rate 0 traced, strategy="auto" (the dyndepth loop over all 24)', 0.0, "auto", True, L),
     ]

@@ -12,6 +12,9 @@ import numpy as np
 STRATEGIES = ("auto", "masked", "while", "checkpointed")
 
 
+INT32_MAX = 2**31 - 1
+
+
 def static_nonneg_int(value: Any, name: str, *, minimum: int = 0) -> int:
     """A static Python int >= minimum (numpy ints accepted; bools, floats, arrays are not)."""
     if isinstance(value, bool) or isinstance(value, jax.Array):
@@ -28,6 +31,9 @@ def static_nonneg_int(value: Any, name: str, *, minimum: int = 0) -> int:
         ) from None
     if ivalue < minimum:
         raise ValueError(f"`{name}` must be >= {minimum}, got {ivalue}")
+    if ivalue > INT32_MAX:
+        # step counters and buffer indices are int32 (x64 or not): larger values would wrap
+        raise ValueError(f"`{name}` must be <= 2**31 - 1 = {INT32_MAX}, got {ivalue}")
     return ivalue
 
 

@@ -45,3 +45,8 @@ def test_bench_rejects_unknown_workload(capsys):
     with pytest.raises(SystemExit):
         _cli.main(["bench", "nope", "--quick"])
     assert "unknown workload 'nope'" in capsys.readouterr().err
+
+
+def test_demo_seed_task_rejects_devices(capsys):
+    assert _cli.main(["demo", "--task", "seed", "--devices", "2"]) == 2
+    assert "--devices 2 applies to the prefix-sums training only" in capsys.readouterr().err

@@ -1,6 +1,11 @@
-"""`dyndepth demo --quick` end to end: training, evaluation, plot, JSON, checkpoint and eval."""
+"""`dyndepth demo --quick` end to end: training, evaluation, plot, JSON, checkpoint and eval;
+data-parallel training (`--devices N`) on 8 simulated CPU devices, in a subprocess."""
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -111,9 +116,154 @@ def test_train_step_runs_per_batch_and_per_sample(per_sample):
     cfg = demo.Config(width=8, train_length=6, max_iters=3, batch=8, steps=2, per_sample=per_sample)
     params = demo.init_params(jax.random.PRNGKey(0), cfg.width)
     step = demo.make_train_step(cfg)
-    p2, _, loss, gnorm, nk = step(
+    p2, _, loss, gnorm, nk, executed, useful = step(
         params, demo.adamw_init(params), jax.random.PRNGKey(1), jnp.int32(0)
     )
     assert np.isfinite(float(loss)) and float(gnorm) > 0
     assert 1 <= float(nk) <= cfg.max_iters
     assert not bool(jnp.allclose(p2["recall"], params["recall"]))
+    # One device: this step's forward sample-iterations, useful = sum(n + k) over the batch.
+    assert executed.shape == useful.shape == (1,)
+    assert int(useful[0]) == round(float(nk) * cfg.batch)
+    assert int(useful[0]) <= int(executed[0])
+    if not per_sample:
+        assert int(executed[0]) == int(useful[0])
+
+
+def test_think_batched_matches_vmapped_think():
+    """--per-sample runs both loops through repeat_batched: same loss and gradients as
+    vmap(think) with per-sample n and k, and the scheduler's own work counts."""
+    M = 5
+    params = demo.init_params(jax.random.PRNGKey(5), 8)
+    x, t = demo.make_batch(jax.random.PRNGKey(6), 12, 7)
+    n = jnp.array([0, 1, 4, 2, 0, 3, 1, 0, 2, 4, 1, 0], jnp.int32)
+    k = jnp.array([1, 4, 1, 3, 5, 2, 1, 2, 1, 1, 3, 4], jnp.int32)
+
+    def batched(p):
+        logits, executed, useful = demo.think_batched(p, x, n, k, M)
+        return demo.cross_entropy(logits, t), (executed, useful)
+
+    def vmapped(p):
+        logits = jax.vmap(lambda x, n, k: demo.think(p, x, n, k, M))(x, n, k)
+        return demo.cross_entropy(logits, t)
+
+    (lb, (executed, useful)), gb = jax.jit(jax.value_and_grad(batched, has_aux=True))(params)
+    lv, gv = jax.jit(jax.value_and_grad(vmapped))(params)
+    tree_allclose(lb, lv)
+    tree_allclose(gb, gv, rtol=1e-4, atol=1e-6)
+    assert int(useful[0]) == int(jnp.sum(n + k))
+    assert int(useful[0]) <= int(executed[0])
+
+
+def test_devices_flag_rejects_bad_values(tmp_path, capsys):
+    too_many = jax.device_count() + 1
+    for devices, words in [
+        ("0", ["--devices", ">= 1", "0"]),
+        (
+            str(too_many),
+            [f"--devices {too_many}", "XLA_FLAGS=--xla_force_host_platform_device_count"],
+        ),
+    ]:
+        argv = ["demo", "--quick", "--no-control", "--devices", devices, "--out", str(tmp_path)]
+        assert _cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert all(w in err for w in words), err
+    assert not (tmp_path / "results.json").exists()
+
+
+MULTI_DEVICE = textwrap.dedent(
+    """
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    from dyndepth import _demo as demo
+
+    assert jax.device_count() == 8
+    out = {}
+    for per_sample in (False, True):
+        cfg = demo.Config(width=8, train_length=8, max_iters=4, batch=32, per_sample=per_sample)
+        params = demo.init_params(jax.random.PRNGKey(0), cfg.width)
+        for nd in (1, 2, 8):
+            fn = jax.jit(demo.make_loss_and_grad(cfg, nd))
+            p = demo.replicate(params, demo.make_mesh(nd, cfg.batch))
+            loss, grads, nk, executed, useful = fn(p, jax.random.PRNGKey(1))
+            out[f"{per_sample}-{nd}"] = dict(
+                loss=float(loss),
+                grads=[np.asarray(g).ravel().tolist() for g in jax.tree.leaves(grads)],
+                executed=np.asarray(executed).tolist(),
+                useful=np.asarray(useful).tolist(),
+            )
+    try:
+        demo.make_mesh(8, 100)
+    except ValueError as e:
+        out["batch_error"] = str(e)
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+def _eight_devices():
+    return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+
+
+def test_data_parallel_step_matches_one_device():
+    """One training step's loss and gradients on 1, 2 and 8 (simulated) devices agree to 1e-5
+    relative, per-batch and per-sample depths: the data and depths do not depend on N."""
+    proc = subprocess.run(
+        [sys.executable, "-c", MULTI_DEVICE],
+        env=_eight_devices(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
+    res = json.loads(line[len("RESULT") :])
+    for per_sample in ("False", "True"):
+        ref = res[f"{per_sample}-1"]
+        ref_grads = [np.asarray(g) for g in ref["grads"]]
+        for nd in (2, 8):
+            rec = res[f"{per_sample}-{nd}"]
+            assert abs(rec["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (per_sample, nd)
+            for g, r in zip(rec["grads"], ref_grads, strict=True):
+                err = np.max(np.abs(np.asarray(g) - r))
+                assert err <= 1e-5 * np.max(np.abs(r)), (per_sample, nd, err)
+            # One work entry per device; the devices share the useful work of the batch.
+            assert len(rec["executed"]) == len(rec["useful"]) == nd
+            assert sum(rec["useful"]) == sum(ref["useful"])
+            assert all(u <= e for u, e in zip(rec["useful"], rec["executed"], strict=True))
+            if per_sample == "False":
+                assert rec["executed"] == rec["useful"] == [ref["useful"][0] // nd] * nd
+    assert "--devices 8" in res["batch_error"] and "--batch 100" in res["batch_error"]
+
+
+def test_demo_quick_on_eight_devices(tmp_path):
+    out = tmp_path / "run8"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dyndepth",
+            "demo",
+            "--quick",
+            "--devices",
+            "8",
+            "--no-control",
+            "--out",
+            str(out),
+        ],
+        env=_eight_devices(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "per-device utilisation over 20 steps on 8 device(s)" in proc.stdout
+    assert "| device | samples/step | useful | executed |" in proc.stdout
+    report = json.loads((out / "results.json").read_text())
+    assert report["devices"] == 8
+    rows = report["training"]["alpha=1"]["per_device"]
+    assert [r["device"] for r in rows] == list(range(8))
+    assert all(r["samples_per_step"] == 2 and r["steps"] == 20 for r in rows)
+    assert all(r["executed_sample_iterations"] == r["useful_sample_iterations"] > 0 for r in rows)
+    assert abs(sum(r["share"] for r in rows) - 1.0) < 1e-6
+    assert set(report["summary"]) == {"alpha=1"}

@@ -11,6 +11,13 @@ import sys
 
 def _demo(args: argparse.Namespace) -> int:
     if args.task == "seed":
+        if getattr(args, "devices", 1) != 1:
+            print(
+                f"dyndepth demo: error: --devices {args.devices} applies to the prefix-sums "
+                "training only; --task seed runs on one device",
+                file=sys.stderr,
+            )
+            return 2
         return _seed_demo(args)
     from dyndepth import _demo as demo
 

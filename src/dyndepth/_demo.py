@@ -24,6 +24,16 @@ and ``k`` (iterations with gradient) with ``n + k <= M``, run ``n`` iterations w
 with ``dyndepth.repeat`` (reverse-mode, cost following ``k``), cross-entropy at the end. The
 ``alpha = 0`` control always runs ``M`` iterations with gradient. AdamW (weight decay 2e-4),
 global-norm clipping at 1, linear warm-up, step decay x0.1 at 75% and 90% of training.
+With ``--per-sample`` every sample draws its own ``n`` and ``k`` and both loops run through
+``dyndepth.repeat_batched`` (the per-sample scheduler, which also counts the work it executes).
+
+Data parallelism (``--devices N``, see :func:`make_loss_and_grad`): the batch is split over a 1-D
+mesh of ``N`` devices and the loss and gradient run inside ``jax.shard_map``; every device
+schedules its own shard, the loss is the mean over the *global* batch (a ``psum`` of the
+per-device sums divided by the batch size), so the gradients of the replicated parameters come
+out summed over the devices, and the AdamW update runs on the replicated parameters. The data,
+``n`` and ``k`` are drawn from the replicated step key before ``shard_map``, so a run gives the
+same numbers on any number of devices (up to float summation order).
 """
 
 from __future__ import annotations
@@ -38,6 +48,8 @@ from dataclasses import asdict, dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import dyndepth
 
@@ -104,8 +116,9 @@ def think(params, x, n, k, max_iters):
     """n iterations without gradient, then k with gradient; returns the logits (L, 2).
 
     The first loop sees only stop-gradient inputs, so reverse mode never enters it: it runs as a
-    plain forward loop and stores nothing. Under vmap with per-sample ``n`` and ``k`` both loops
-    go through the per-sample scheduler."""
+    plain forward loop and stores nothing. Under vmap with per-sample ``n`` and ``k`` the first
+    (``"while"``) loop runs the batch until its largest ``n`` (finished samples masked) and the
+    second goes through the per-sample scheduler; :func:`think_batched` schedules both."""
     h0 = project(params, x)
     frozen = jax.lax.stop_gradient(params)
     h = dyndepth.repeat(
@@ -120,9 +133,47 @@ def think(params, x, n, k, max_iters):
     return head(params, h)
 
 
+def think_batched(params, x, n, k, max_iters):
+    """:func:`think` for a batch ``x`` (B, L) with per-sample ``n`` and ``k`` (B,), both loops
+    through ``dyndepth.repeat_batched``: returns the logits (B, L, 2) and this device's forward
+    work as ``(executed, useful)`` int32 arrays of shape (1,), summed over the two loops:
+    ``executed`` is slots x loop iterations as run by the scheduler (its own count), ``useful``
+    is ``sum(n + k)``. Inside ``shard_map`` the figures are the device's own.
+
+    The carry is ``(h, x)``: the recall input rides along unchanged, since ``repeat_batched``
+    steps one sample at a time and takes no per-sample ``xs``."""
+    h0 = jax.vmap(lambda x: project(params, x))(x)
+    frozen = jax.lax.stop_gradient(params)
+    (h, _), st_n = dyndepth.repeat_batched(
+        lambda c: (core(frozen, c[0], c[1]), c[1]),
+        (jax.lax.stop_gradient(h0), x),
+        n,
+        max_depth=max_iters,
+        return_stats=True,
+    )
+    h = jnp.where((n == 0)[:, None, None], h0, jax.lax.stop_gradient(h))
+    (h, _), st_k = dyndepth.repeat_batched(
+        lambda c: (core(params, c[0], c[1]), c[1]),
+        (h, x),
+        k,
+        max_depth=max_iters,
+        return_stats=True,
+    )
+    logits = jax.vmap(lambda h: head(params, h))(h)
+    executed = st_n["per_device_executed_sample_steps"] + st_k["per_device_executed_sample_steps"]
+    useful = st_n["per_device_useful_sample_steps"] + st_k["per_device_useful_sample_steps"]
+    return logits, executed, useful
+
+
 def cross_entropy(logits, targets):
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def sample_cross_entropy(logits, targets):
+    """Per-sample cross-entropy (mean over positions): (B, L, 2), (B, L) -> (B,)."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], axis=-1)
 
 
 def evaluate_curve(params, x, targets, iters):
@@ -200,29 +251,120 @@ def draw_nk(key, cfg, shape=()):
     return n, k
 
 
-def make_train_step(cfg):
+def make_mesh(devices, batch):
+    """A 1-D mesh ``("data",)`` over the first ``devices`` devices, or ``None`` for one device.
+
+    Raises ``ValueError`` naming ``--devices`` when there are fewer devices than asked for or
+    when ``batch`` does not split evenly over them."""
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"--devices must be an integer >= 1, got {devices!r}")
+    if devices == 1:
+        return None
+    have = jax.device_count()
+    if have < devices:
+        raise ValueError(
+            f"--devices {devices}: only {have} {jax.default_backend()} device(s) are available. "
+            f"To simulate {devices} devices on a CPU, start the command with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={devices} (the flag is read when "
+            "JAX starts, so it must be set in the environment beforehand)"
+        )
+    if batch % devices:
+        lo, hi = batch - batch % devices, batch - batch % devices + devices
+        choices = f"{lo} or {hi}" if lo > 0 else f"{hi}"
+        raise ValueError(
+            f"--devices {devices}: --batch {batch} does not split evenly over {devices} "
+            f"devices; use a batch that is a multiple of {devices} (e.g. --batch {choices})"
+        )
+    return jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+
+
+def make_loss_and_grad(cfg, devices=1):
+    """``(params, key) -> (loss, grads, mean(n + k), executed, useful)`` for the training batch
+    and depths drawn from ``key``: the traceable core of :func:`make_train_step`. ``executed``
+    and ``useful`` (int32, one entry per device) are the forward sample-iterations of the
+    step's loops on each device (see :func:`think_batched`; with a per-batch depth every sample
+    runs exactly ``n + k`` iterations, so both are ``samples_per_device * (n + k)``, counted,
+    not measured).
+
+    ``devices > 1``: data-parallel over :func:`make_mesh`. Key discipline: the step key is
+    replicated, and the global batch, the per-batch ``(n, k)`` (identical on every device, so
+    the shards run in lockstep depth) or the per-sample ``n`` and ``k`` are all drawn from it
+    *before* ``shard_map``, exactly as on one device; each device then gets its rows of the
+    batch (and of per-sample ``n``, ``k``). Inside ``shard_map`` the loss is
+    ``psum(sum of this shard's per-sample losses) / batch``, the mean over the global batch, so
+    the gradients of the replicated parameters come out of ``shard_map`` summed over devices
+    (dyndepth adds the per-device gradient of a replicated parameter with one ``psum`` after
+    its backward loop) and equal the one-device gradient up to float summation order. The
+    optimizer update then runs on the replicated parameters and optimizer state."""
     M = cfg.max_iters
+    mesh = make_mesh(devices, cfg.batch)
+    per_sample = cfg.per_sample and cfg.alpha != 0.0  # alpha = 0 always runs (0, M)
+
+    def forward(params, x, n, k):
+        if per_sample:
+            return think_batched(params, x, n, k, M)
+        logits = jax.vmap(lambda x: think(params, x, n, k, M))(x)
+        work = jnp.reshape(x.shape[0] * (n + k), (1,)).astype(jnp.int32)
+        return logits, work, work
 
     def loss_fn(params, x, t, n, k):
-        if cfg.per_sample:
-            logits = jax.vmap(lambda x, n, k: think(params, x, n, k, M))(x, n, k)
-        else:
-            logits = jax.vmap(lambda x: think(params, x, n, k, M))(x)
-        return cross_entropy(logits, t)
+        logits, executed, useful = forward(params, x, n, k)
+        return cross_entropy(logits, t), (executed, useful)
 
-    @jax.jit
-    def train_step(params, opt, key, step):
+    def shard_loss_fn(params, x, t, n, k):
+        logits, executed, useful = forward(params, x, n, k)
+        total = jax.lax.psum(jnp.sum(sample_cross_entropy(logits, t)), "data")
+        return total / cfg.batch, (executed, useful)
+
+    if mesh is None:
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    else:
+        nk = P("data") if per_sample else P()
+        grad_fn = jax.shard_map(
+            jax.value_and_grad(shard_loss_fn, has_aux=True),
+            mesh=mesh,
+            in_specs=(P(), P("data"), P("data"), nk, nk),
+            out_specs=((P(), (P("data"), P("data"))), P()),
+        )
+
+    def loss_and_grad(params, key):
         kd, kn = jax.random.split(key)
         x, t = make_batch(kd, cfg.batch, cfg.train_length)
         if cfg.alpha == 0.0:
             n, k = jnp.int32(0), jnp.int32(M)
         else:
-            n, k = draw_nk(kn, cfg, (cfg.batch,) if cfg.per_sample else ())
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, t, n, k)
+            n, k = draw_nk(kn, cfg, (cfg.batch,) if per_sample else ())
+        if mesh is not None:  # each device gets its rows of the global batch
+            rows = NamedSharding(mesh, P("data"))
+            x, t = jax.reshard(x, rows), jax.reshard(t, rows)
+            if per_sample:
+                n, k = jax.reshard(n, rows), jax.reshard(k, rows)
+        (loss, (executed, useful)), grads = grad_fn(params, x, t, n, k)
+        return loss, grads, jnp.mean(n + k), executed, useful
+
+    return loss_and_grad
+
+
+def make_train_step(cfg, devices=1):
+    """The jitted training step ``(params, opt, key, step) -> (params, opt, loss, gnorm,
+    mean(n + k), executed, useful)``: :func:`make_loss_and_grad`, then the AdamW update (on the
+    replicated parameters and optimizer state when ``devices > 1``)."""
+    loss_and_grad = make_loss_and_grad(cfg, devices)
+
+    @jax.jit
+    def train_step(params, opt, key, step):
+        loss, grads, nk, executed, useful = loss_and_grad(params, key)
         params, opt, gnorm = adamw_update(params, grads, opt, learning_rate(step, cfg))
-        return params, opt, loss, gnorm, jnp.mean(n + k)
+        return params, opt, loss, gnorm, nk, executed, useful
 
     return train_step
+
+
+def replicate(tree, mesh):
+    """``tree`` placed on every device of ``mesh`` (unchanged when ``mesh`` is None)."""
+    if mesh is None:
+        return tree
+    return jax.device_put(tree, NamedSharding(mesh, P()))
 
 
 def save_checkpoint(path, params, opt, step, cfg):
@@ -264,13 +406,20 @@ def _bar(total, desc):
         return None
 
 
-def train(cfg, out_dir, *, label="alpha=1", resume=True, stop_at=None, log=print):
-    """Train (resuming from ``out_dir/<label>.ckpt.npz`` when present); returns params and a
-    dict of training figures. ``stop_at`` ends the call early at that step (as an interruption
-    would: the checkpoint holds the state, and a later call resumes the same run)."""
+def train(cfg, out_dir, *, label="alpha=1", resume=True, stop_at=None, devices=1, log=print):
+    """Train (resuming from ``out_dir/<label>.ckpt.npz`` when present); returns params (on one
+    device) and a dict of training figures. ``stop_at`` ends the call early at that step (as an
+    interruption would: the checkpoint holds the state, and a later call resumes the same run).
+    ``devices``: data-parallel over that many devices (see :func:`make_train_step`); a run gives
+    the same numbers on any number of devices, so a checkpoint resumes on any count.
+
+    ``figures["per_device"]`` holds, per device, the forward sample-iterations of the steps run
+    in this call (see :func:`per_device_work`)."""
     os.makedirs(out_dir, exist_ok=True)
     ckpt = os.path.join(out_dir, f"{label}.ckpt.npz")
     key = jax.random.PRNGKey(cfg.seed)
+    step_fn = make_train_step(cfg, devices)  # validates ``devices`` before any work
+    mesh = make_mesh(devices, cfg.batch)
     if resume and os.path.exists(ckpt):
         params, opt, start, _ = load_checkpoint(ckpt)
         log(f"[{label}] resuming from {ckpt} at step {start}")
@@ -278,21 +427,25 @@ def train(cfg, out_dir, *, label="alpha=1", resume=True, stop_at=None, log=print
         params = init_params(jax.random.fold_in(key, 1), cfg.width)
         opt = adamw_init(params)
         start = 0
-    step_fn = make_train_step(cfg)
+    params, opt = replicate((params, opt), mesh)
     bar = _bar(cfg.steps, label)
     if bar is not None:
         bar.update(start)
     times, depths, losses = [], [], []
+    executed = np.zeros(devices, np.int64)
+    useful = np.zeros(devices, np.int64)
     every = max(1, cfg.steps // 10)
     t_start = time.perf_counter()
     end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
     for step in range(start, end):
         t0 = time.perf_counter()
-        params, opt, loss, gnorm, nk = step_fn(
+        params, opt, loss, gnorm, nk, ex, us = step_fn(
             params, opt, jax.random.fold_in(key, 1000 + step), jnp.int32(step)
         )
         loss = float(loss)
         dt = time.perf_counter() - t0
+        executed += np.asarray(ex, np.int64)
+        useful += np.asarray(us, np.int64)
         if step > start + 2:  # skip compile
             times.append(dt)
             depths.append(float(nk))
@@ -308,6 +461,15 @@ def train(cfg, out_dir, *, label="alpha=1", resume=True, stop_at=None, log=print
         bar.close()
     wall = time.perf_counter() - t_start
     figures = {"train_seconds": wall, "final_loss": losses[-1] if losses else None}
+    figures["devices"] = devices
+    figures["per_device"] = per_device_work(executed, useful, cfg, end - start)
+    figures["per_device_counts"] = (
+        "forward sample-iterations of the n and k loops; executed as counted by "
+        "dyndepth.repeat_batched (slots x loop iterations)"
+        if cfg.per_sample and cfg.alpha != 0.0
+        else "forward sample-iterations of the n and k loops; per-batch depth: every sample "
+        "runs n + k, so executed = useful by construction"
+    )
     if len(times) >= 5 and len(set(depths)) > 1:
         # Step time against the iterations the batch ran (n + k): a line fit, so that readers
         # can see the cost follow the depth.
@@ -321,7 +483,53 @@ def train(cfg, out_dir, *, label="alpha=1", resume=True, stop_at=None, log=print
         figures["median_step_seconds_by_iterations"] = {
             str(d): float(np.median(v)) for d, v in sorted(buckets.items())
         }
+    if mesh is not None:
+        # Evaluation runs on one device. Through the host: ``jax.device_put(params, device)``
+        # would keep the mesh in the arrays' sharding type, which jit then refuses to mix with
+        # single-device arrays.
+        params = jax.tree_util.tree_map(lambda a: jnp.asarray(np.asarray(a)), params)
     return params, figures
+
+
+def per_device_work(executed, useful, cfg, steps):
+    """Per-device figures over ``steps`` training steps: a list of dicts with ``device``,
+    ``samples_per_step``, ``useful_sample_iterations`` (the iterations its samples asked for,
+    ``sum(n + k)``), ``executed_sample_iterations`` (what its loops ran: slots x loop iterations
+    with ``--per-sample``, as counted by ``dyndepth.repeat_batched``; with a per-batch depth every
+    sample runs exactly ``n + k``, so executed equals useful by construction),
+    ``utilisation`` (useful / executed) and ``share`` (its part of all useful work). Forward
+    passes only: the backward pass of the ``k`` loop follows the same schedule but is not
+    counted. With ``--devices`` on simulated CPU devices the devices share the host's cores, so
+    these are counts of work, not of time."""
+    executed = np.asarray(executed, np.int64)
+    useful = np.asarray(useful, np.int64)
+    total = max(int(useful.sum()), 1)
+    return [
+        {
+            "device": d,
+            "samples_per_step": cfg.batch // len(useful),
+            "steps": steps,
+            "useful_sample_iterations": int(u),
+            "executed_sample_iterations": int(e),
+            "utilisation": float(u / e) if e else None,
+            "share": float(u / total),
+        }
+        for d, (e, u) in enumerate(zip(executed, useful, strict=True))
+    ]
+
+
+def device_table(rows):
+    lines = [
+        "| device | samples/step | useful | executed | useful/executed | share of useful |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        util = "-" if r["utilisation"] is None else f"{100 * r['utilisation']:.1f}%"
+        lines.append(
+            f"| {r['device']} | {r['samples_per_step']} | {r['useful_sample_iterations']} | "
+            f"{r['executed_sample_iterations']} | {util} | {100 * r['share']:.1f}% |"
+        )
+    return "\n".join(lines)
 
 
 def evaluate(params, cfg, lengths=None, iters=None, key=None):
@@ -404,23 +612,30 @@ def table(summary_by_label):
     return "\n".join(lines)
 
 
-def run_demo(cfg, out_dir, *, control=True, log=print):
+def run_demo(cfg, out_dir, *, control=True, devices=1, log=print):
     os.makedirs(out_dir, exist_ok=True)
+    make_mesh(devices, cfg.batch)  # a clear error before any work
     log(
         f"dyndepth demo: prefix sums mod 2, width {cfg.width}, train length {cfg.train_length}, "
-        f"M={cfg.max_iters}, batch {cfg.batch}, {cfg.steps} steps, devices: {jax.devices()}"
+        f"M={cfg.max_iters}, batch {cfg.batch}, {cfg.steps} steps, "
+        + (
+            f"devices: {jax.devices()}"
+            if devices == 1
+            else f"data-parallel over {devices} devices: {jax.devices()[:devices]}"
+        )
     )
     runs = [("alpha=1", cfg)]
     if control:
         runs.append(("alpha=0", Config(**{**asdict(cfg), "alpha": 0.0, "per_sample": False})))
     curves, summaries, training = {}, {}, {}
     for label, c in runs:
-        params, figures = train(c, out_dir, label=label, log=log)
+        params, figures = train(c, out_dir, label=label, devices=devices, log=log)
         training[label] = figures
         curves[label] = evaluate(params, c)
         summaries[label] = summarize(curves[label], c)
     report = {
         "config": asdict(cfg),
+        "devices": devices,
         "training": training,
         "summary": summaries,
         "curves": {label: {str(k): v for k, v in cv.items()} for label, cv in curves.items()},
@@ -440,6 +655,19 @@ def run_demo(cfg, out_dir, *, control=True, log=print):
                 f"{1e3 * f['step_seconds_per_iteration']:.2f}"
                 " ms x (n + k)"
             )
+    for label, f in training.items():
+        if devices == 1 and not (cfg.per_sample and label == "alpha=1"):
+            continue  # one device, per-batch depth: 100% by construction (still in the JSON)
+        rows = f["per_device"]
+        log("")
+        if not rows[0]["steps"]:
+            log(f"[{label}] per-device utilisation: no training step ran in this call (resumed)")
+            continue
+        log(
+            f"[{label}] per-device utilisation over {rows[0]['steps']} steps on {devices} "
+            f"device(s), {f['per_device_counts']}:"
+        )
+        log(device_table(rows))
     log(f"results: {os.path.join(out_dir, 'results.json')}" + (f", plot: {png}" if png else ""))
     return report
 
@@ -460,6 +688,13 @@ def add_arguments(p):
     p.add_argument("--alpha", type=float, choices=[0.0, 1.0], default=d.alpha)
     p.add_argument("--per-sample", action="store_true", help="per-sample n and k (scheduler)")
     p.add_argument("--no-control", action="store_true", help="skip the alpha=0 control run")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        help="data-parallel training over this many devices (the batch must split evenly; on "
+        "a CPU, simulate devices with XLA_FLAGS=--xla_force_host_platform_device_count=N)",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--eval-lengths", default="16,32,64")
     p.add_argument("--out", default=None, help="output folder (default runs/<timestamp>/)")
@@ -497,8 +732,14 @@ def config_from_args(a):
 
 def main_demo(a):
     cfg = config_from_args(a)
+    devices = getattr(a, "devices", 1)
+    try:
+        make_mesh(devices, cfg.batch)
+    except ValueError as e:
+        print(f"dyndepth demo: error: {e}", file=sys.stderr)
+        return 2
     out = a.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    run_demo(cfg, out, control=not a.no_control)
+    run_demo(cfg, out, control=not a.no_control, devices=devices)
     return 0
 
 

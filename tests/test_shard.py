@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent(
     from jax.sharding import NamedSharding, PartitionSpec as P
     import dyndepth
 
-    B, D, M = 256, 8, 20
+    B, D, M = 1024, 8, 20
     W = jax.random.normal(jax.random.key(0), (D, D)) / 3
     x = jax.random.normal(jax.random.key(1), (B, D))
     depths = jax.random.randint(jax.random.key(2), (B,), 0, M + 1)
@@ -82,11 +82,11 @@ def test_shard_map_per_device_scheduling():
         assert rec["all_gather"] == 0, (name, rec)
         if "executed" in rec:
             assert len(rec["executed"]) == int(name.split("-")[1])
-            # With 32 samples per device (8 devices) the slot counts to choose from are coarse
-            # (32, 16, 8, 4), so the bound is looser there than with 128 or 256 per device.
-            bound = 1.15 if rec["per_device"] >= 128 else 1.3
+            # 128 samples per device or more (with a few dozen the slot counts to choose from
+            # are coarse, and the waste can reach 1.15-1.3x; see the README)
+            assert rec["per_device"] >= 128
             for ex, us in zip(rec["executed"], rec["useful"], strict=True):
-                assert us <= ex <= bound * us, (name, rec)
+                assert us <= ex <= 1.15 * us, (name, rec)
 
 
 KEYED_SCRIPT = textwrap.dedent(
@@ -96,6 +96,7 @@ KEYED_SCRIPT = textwrap.dedent(
     from jax import lax
     from jax.sharding import NamedSharding, PartitionSpec as P
     import dyndepth
+    import dyndepth.nn as dnn
 
     B, D, M = 32, 8, 12
     W = jax.random.normal(jax.random.key(0), (D, D)) / 3
@@ -126,6 +127,16 @@ KEYED_SCRIPT = textwrap.dedent(
         return jax.vmap(lambda xi, di, ki: dyndepth.repeat(
             layer(W), xi, di, max_depth=M, key=ki, strategy="masked"))(x, d, k)
 
+    def layer_drop(W, x, d, k):
+        # dyndepth.nn inside shard_map: LayerDrop with per-sample keys (the scheduler path)
+        # and a recurrent-depth block with per-sample n and k (recall of x at every step).
+        stack = jnp.stack([W, W.T, 0.5 * W, -W])
+        y = jax.vmap(lambda xi, ki: dnn.layer_drop(
+            lambda p, h: h + jnp.tanh(h @ p), stack, xi, ki, 0.5))(x, k)
+        core = lambda s, xi, key: jnp.tanh(s @ W + xi) * jax.random.bernoulli(key, 0.9, s.shape)
+        return jax.vmap(lambda yi, xi, di, ki: dnn.recurrent_depth(
+            core, yi, xi, n=di // 2, k=di - di // 2, max_n=M, max_k=M, key=ki))(y, x, d, k)
+
     def loss_of(run):
         return lambda W, x, d, k: jnp.sum(run(W, x, d, k) ** 2)
 
@@ -141,11 +152,11 @@ KEYED_SCRIPT = textwrap.dedent(
         return bad
 
     results = {}
-    runs = (("batched", batched), ("vmapped", vmapped), ("masked", masked))
+    runs = (("batched", batched), ("vmapped", vmapped), ("masked", masked), ("nn", layer_drop))
     ref = {n: (jax.jit(r)(W, x, depths, keys),
                jax.jit(jax.grad(loss_of(r), argnums=(0, 1)))(W, x, depths, keys))
            for n, r in runs}
-    for nd in (2, 8):
+    for nd in (8,):  # test_shard_map_per_device_scheduling covers 1, 2 and 8 devices
         mesh = jax.make_mesh((nd,), ("data",), devices=jax.devices()[:nd])
         put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
         args = (put(W, P()), put(x, P("data")), put(depths, P("data")), put(keys, P("data")))
@@ -196,7 +207,7 @@ def test_shard_map_keyed_steps_with_constants_and_cond():
     assert results.pop("agree") < 1e-5
     msg = results.pop("explicit_error")
     assert "sharded over the mesh axes ('data')" in msg and "jax.shard_map" in msg, msg
-    assert len(results) == 6
+    assert len(results) == 4
     for name, rec in results.items():
         # relative to the largest entry: float32 sums in another order over the devices
         assert rec["dout"] < 1e-5 and rec["dgw"] < 1e-5 and rec["dgx"] < 1e-5, (name, rec)

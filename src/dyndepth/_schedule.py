@@ -23,7 +23,17 @@ import jax
 import jax.numpy as jnp
 
 from . import _vma
-from ._engine import Problem, acc_shapes, is_diff, rows_vjp, stats_of, take, where_b
+from ._engine import (
+    Problem,
+    acc_shapes,
+    backward_batched,
+    forward_batched,
+    is_diff,
+    rows_vjp,
+    stats_of,
+    take,
+    where_b,
+)
 
 
 def slot_candidates(batch: int) -> tuple[int, ...]:
@@ -62,11 +72,23 @@ def run_with_slots(fn, lengths, slots, candidates, *args, **kwargs):
             f"loop inside jax.shard_map(..., in_specs=P({spec}), out_specs=P({spec})) with the "
             "batch split over those axes (README, 'Scaling out')."
         )
+    B = lengths.shape[0]
+
+    def call(c):
+        if c >= B:
+            # One slot per sample: nothing to refill, so the plain batched loop (the same work
+            # and the same residuals) without the scheduler's per-slot bookkeeping.
+            if fn is forward_scheduled:
+                return forward_batched(*args, store=kwargs["store"])
+            if fn is backward_scheduled:
+                return backward_batched(*args, per_row=kwargs.get("per_row", False))
+        return fn(*args, slots=c, **kwargs)
+
     if slots is not None or len(candidates) == 1:
-        return fn(*args, slots=slots or candidates[0], **kwargs)
+        return call(slots or candidates[0])
 
     def branch(c):
-        return lambda: fn(*args, slots=c, **kwargs)
+        return lambda: call(c)
 
     branches = [branch(c) for c in candidates]
     return _vma.switch(choose_slots(lengths, candidates), branches)

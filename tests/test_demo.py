@@ -267,3 +267,21 @@ def test_demo_quick_on_eight_devices(tmp_path):
     assert all(r["executed_sample_iterations"] == r["useful_sample_iterations"] > 0 for r in rows)
     assert abs(sum(r["share"] for r in rows) - 1.0) < 1e-6
     assert set(report["summary"]) == {"alpha=1"}
+
+
+@pytest.mark.parametrize(
+    "argv, batch",
+    [
+        ([], 100),
+        (["--devices", "8"], 104),
+        (["--devices", "8", "--batch", "96"], 96),
+        (["--quick", "--devices", "3"], 18),
+        (["--quick"], 16),
+    ],
+)
+def test_default_batch_rounds_up_to_the_devices(argv, batch):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    demo.add_arguments(p)
+    assert demo.config_from_args(p.parse_args(argv)).batch == batch

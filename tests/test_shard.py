@@ -49,9 +49,9 @@ SCRIPT = textwrap.dedent(
         for name, run in (("batched", batched), ("vmapped", vmapped)):
             sm = jax.shard_map(run, mesh=mesh, in_specs=(P(), P("data"), P("data")),
                                out_specs=P("data"))
-            g = jax.jit(jax.value_and_grad(loss_of(sm)))
+            g = jax.jit(jax.value_and_grad(loss_of(sm))).lower(*args).compile()
             v, gw = g(*args)
-            hlo = g.lower(*args).compile().as_text()
+            hlo = g.as_text()
             rec = dict(
                 dv=float(abs(v - ref[name][0])),
                 dg=float(jnp.max(abs(gw - ref[name][1]))),
@@ -164,9 +164,9 @@ KEYED_SCRIPT = textwrap.dedent(
             sm = jax.shard_map(run, mesh=mesh, in_specs=(P(), P("data"), P("data"), P("data")),
                                out_specs=P("data"))
             out = jax.jit(sm)(*args)
-            g = jax.jit(jax.grad(loss_of(sm), argnums=(0, 1)))
+            g = jax.jit(jax.grad(loss_of(sm), argnums=(0, 1))).lower(*args).compile()
             gw, gx = g(*args)
-            hlo = g.lower(*args).compile().as_text()
+            hlo = g.as_text()
             rel = lambda a, b: float(jnp.max(abs(a - b)) / jnp.max(abs(b)))
             results[f"{name}-{nd}"] = dict(
                 dout=rel(out, ref[name][0]),

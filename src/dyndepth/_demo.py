@@ -682,7 +682,12 @@ def add_arguments(p):
     p.add_argument("--width", type=int, default=d.width)
     p.add_argument("--train-length", type=int, default=d.train_length)
     p.add_argument("--max-iters", type=int, default=d.max_iters, help="M: n + k <= M")
-    p.add_argument("--batch", type=int, default=d.batch)
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help=f"training batch (default {d.batch}, rounded up to a multiple of --devices)",
+    )
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--alpha", type=float, choices=[0.0, 1.0], default=d.alpha)
@@ -700,12 +705,21 @@ def add_arguments(p):
     p.add_argument("--out", default=None, help="output folder (default runs/<timestamp>/)")
 
 
+def _round_up(n, m):
+    m = m if isinstance(m, int) and m >= 1 else 1
+    return -(-n // m) * m
+
+
 def config_from_args(a):
+    """The run's :class:`Config`. Without ``--batch`` the batch is the default (16 with
+    ``--quick``) rounded up to a multiple of ``--devices``, so that it splits evenly."""
+    devices = getattr(a, "devices", 1)
+    batch = a.batch if a.batch is not None else _round_up(Config.batch, devices)
     cfg = Config(
         width=a.width,
         train_length=a.train_length,
         max_iters=a.max_iters,
-        batch=a.batch,
+        batch=batch,
         steps=a.steps,
         lr=a.lr,
         alpha=a.alpha,
@@ -720,7 +734,7 @@ def config_from_args(a):
                 "width": 8,
                 "train_length": 8,
                 "max_iters": 4,
-                "batch": 16,
+                "batch": a.batch if a.batch is not None else _round_up(16, devices),
                 "steps": 20,
                 "eval_lengths": (8, 16),
                 "eval_batch": 32,
@@ -738,6 +752,8 @@ def main_demo(a):
     except ValueError as e:
         print(f"dyndepth demo: error: {e}", file=sys.stderr)
         return 2
+    if a.batch is None and devices > 1:
+        print(f"batch {cfg.batch} (the default, rounded up to a multiple of --devices {devices})")
     out = a.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     run_demo(cfg, out, control=not a.no_control, devices=devices)
     return 0

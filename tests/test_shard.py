@@ -66,14 +66,19 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_shard_map_per_device_scheduling():
+def run_on_eight_devices(script):
+    """Run ``script`` in a fresh process with 8 simulated CPU devices; its ``RESULT`` line."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
-    results = json.loads(line[len("RESULT") :])
+    return json.loads(line[len("RESULT") :])
+
+
+def test_shard_map_per_device_scheduling():
+    results = run_on_eight_devices(SCRIPT)
     assert len(results) == 6
     for name, rec in results.items():
         # Same values and gradients as one device.
@@ -197,13 +202,7 @@ KEYED_SCRIPT = textwrap.dedent(
 
 def test_shard_map_keyed_steps_with_constants_and_cond():
     """Step functions that take a key, build constants and branch run inside shard_map."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    proc = subprocess.run(
-        [sys.executable, "-c", KEYED_SCRIPT], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
-    results = json.loads(line[len("RESULT") :])
+    results = run_on_eight_devices(KEYED_SCRIPT)
     assert results.pop("agree") < 1e-5
     msg = results.pop("explicit_error")
     assert "sharded over the mesh axes ('data')" in msg and "jax.shard_map" in msg, msg

@@ -348,16 +348,15 @@ def run_workload(w: Workload, repeats: int, contenders=None, progress=print, max
             rows.append(dict(workload=w.name, contender=c.name, missing="not installed"))
             continue
 
-        def fwd(W, xs, ds, ks, c=c):
+        def batched(W, xs, ds, ks, c=c, **kw):
+            layer = make_layer(W, w.layer)
+            return dyndepth.repeat_batched(
+                layer, xs, ds, max_depth=w.max_depth, keys=ks, checkpoints=c.checkpoints, **kw
+            )
+
+        def fwd(W, xs, ds, ks, c=c, batched=batched):
             if c.batched:
-                return dyndepth.repeat_batched(
-                    make_layer(W, w.layer),
-                    xs,
-                    ds,
-                    max_depth=w.max_depth,
-                    keys=ks,
-                    checkpoints=c.checkpoints,
-                )
+                return batched(W, xs, ds, ks)
             return jax.vmap(lambda x, d, k: c.fn(W, x, d, k, w.max_depth, w.layer))(xs, ds, ks)
 
         def loss(W, xs, ds, ks, fwd=fwd):
@@ -388,15 +387,7 @@ def run_workload(w: Workload, repeats: int, contenders=None, progress=print, max
         if c.full:
             row["executed"] = w.batch * w.max_depth
         elif c.stats:
-            _, st = dyndepth.repeat_batched(
-                make_layer(W, w.layer),
-                xs,
-                ds,
-                max_depth=w.max_depth,
-                keys=ks,
-                checkpoints=c.checkpoints,
-                return_stats=True,
-            )
+            _, st = batched(W, xs, ds, ks, return_stats=True)
             row["executed"] = int(st["executed_sample_steps"])
         else:
             row["executed"] = w.batch * int(ds.max())

@@ -217,7 +217,13 @@ WORKLOADS = {
     "seed": Workload("seed", 32, 64, 100, "uniform", "dropout", "the seed's exact workload"),
     "core": Workload("core", 256, 64, 100, "uniform", "tanh", "B=256, D=64 tanh residual"),
     "per-sample": Workload(
-        "per-sample", 256, 256, 100, "uniform", "tanh", "B=256, D=256 tanh residual MLP"
+        "per-sample",
+        256,
+        256,
+        100,
+        "uniform",
+        "dropout",
+        "the seed's workload, larger: B=256, D=256, its dropout layer",
     ),
     "long-tail": Workload(
         "long-tail",

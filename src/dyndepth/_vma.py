@@ -13,6 +13,7 @@ A per-device loop is what we want there anyway: each device schedules its own sh
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -29,12 +30,8 @@ def manual_axes() -> tuple[str, ...]:
 
 
 def varying(x: Any) -> frozenset:
-    """The manual axes ``x`` varies over (the attribute moved between JAX releases)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = aval.manual_axis_type.varying
-    return frozenset(vma)
+    """The manual axes ``x`` varies over."""
+    return _aval_varying(jax.typeof(x))
 
 
 def vary(tree: Any, axes: tuple[str, ...] | None = None) -> Any:
@@ -51,6 +48,7 @@ def vary(tree: Any, axes: tuple[str, ...] | None = None) -> Any:
 
 
 def _aval_varying(aval: Any) -> frozenset:
+    """The manual axes an abstract value varies over (the attribute moved between releases)."""
     vma = getattr(aval, "vma", None)
     if vma is None:
         mat = getattr(aval, "manual_axis_type", None)
@@ -133,7 +131,7 @@ def _retrace(eqn: Any, invals: list) -> list | None:
         invals = vary(list(invals))
     if name == "cond":
         branches = params["branches"]
-        return cond_index(invals[0], [_closed_fn(br) for br in branches], invals[1:])
+        return switch(invals[0], [_closed_fn(br) for br in branches], *invals[1:])
     if name == "while":
         cn, bn = params["cond_nconsts"], params["body_nconsts"]
         cj, bj = params["cond_jaxpr"], params["body_jaxpr"]
@@ -203,11 +201,8 @@ def eval_jaxpr(jaxpr: Any, consts: list, *args: Any) -> list:
             bind = eqn.primitive.get_bind_params(eqn.params)
             subfuns, bind = bind if isinstance(bind, tuple) else ((), bind)
             ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
-            if ctx is None:
+            with ctx if ctx is not None else contextlib.nullcontext():
                 outs = eqn.primitive.bind(*subfuns, *invals, **bind)
-            else:
-                with ctx:
-                    outs = eqn.primitive.bind(*subfuns, *invals, **bind)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
         for v, x in zip(eqn.outvars, outs, strict=True):
@@ -300,16 +295,10 @@ def cond(pred: Any, true_fn: Callable, false_fn: Callable, *operands: Any) -> An
     )
 
 
-def cond_index(index: Any, branches: list[Callable], operands: list) -> list:
-    """``lax.switch(index, branches, *operands)`` with every output varying (inside shard_map)."""
-    axes = manual_axes()
-    return lax.switch(
-        index, [lambda *a, b=b: vary(list(b(*a)), axes) for b in branches], *vary(operands, axes)
-    )
-
-
-def switch(index: Any, branches: list[Callable]) -> Any:
+def switch(index: Any, branches: list[Callable], *operands: Any) -> Any:
     axes = manual_axes()
     if not axes:
-        return lax.switch(index, branches)
-    return lax.switch(index, [lambda b=b: vary(b(), axes) for b in branches])
+        return lax.switch(index, branches, *operands)
+    return lax.switch(
+        index, [lambda *a, b=b: vary(b(*a), axes) for b in branches], *vary(operands, axes)
+    )

@@ -156,6 +156,9 @@ KEYED_SCRIPT = textwrap.dedent(
                 bad.append(name)
         return bad
 
+    def rel(a, b):
+        return float(jnp.max(abs(a - b)) / jnp.max(abs(b)))
+
     results = {}
     runs = (("batched", batched), ("vmapped", vmapped), ("masked", masked), ("nn", layer_drop))
     ref = {n: (jax.jit(r)(W, x, depths, keys),
@@ -172,7 +175,6 @@ KEYED_SCRIPT = textwrap.dedent(
             g = jax.jit(jax.grad(loss_of(sm), argnums=(0, 1))).lower(*args).compile()
             gw, gx = g(*args)
             hlo = g.as_text()
-            rel = lambda a, b: float(jnp.max(abs(a - b)) / jnp.max(abs(b)))
             results[f"{name}-{nd}"] = dict(
                 dout=rel(out, ref[name][0]),
                 dgw=rel(gw, ref[name][1][0]),
@@ -190,6 +192,11 @@ KEYED_SCRIPT = textwrap.dedent(
         results["explicit_error"] = ""
     except ValueError as e:
         results["explicit_error"] = str(e)
+    # Replicated arrays whose type carries that Explicit mesh run as on one device.
+    rep = (put(W, P()), put(x, P()), put(depths, P()), put(keys, P()))
+    results["replicated"] = max(
+        rel(jax.jit(run)(*rep), ref[name][0]) for name, run in runs
+    )
     # the masked reference and the scheduled loops agree on one device too
     results["agree"] = max(
         float(jnp.max(abs(a - b)) / jnp.max(abs(b)))
@@ -204,6 +211,7 @@ def test_shard_map_keyed_steps_with_constants_and_cond():
     """Step functions that take a key, build constants and branch run inside shard_map."""
     results = run_on_eight_devices(KEYED_SCRIPT)
     assert results.pop("agree") < 1e-5
+    assert results.pop("replicated") < 1e-5
     msg = results.pop("explicit_error")
     assert "sharded over the mesh axes ('data')" in msg and "jax.shard_map" in msg, msg
     assert len(results) == 4

@@ -17,8 +17,12 @@ lint: venv
 	$(VENV)/bin/ruff format --check src tests examples benchmarks
 	$(VENV)/bin/ruff check src tests examples benchmarks
 
+# two test processes (pytest-xdist): JAX compiles are mostly single-threaded, so on two cores
+# the suite took 6.5 instead of 9.6 minutes; `make test PYTEST_ARGS=` runs one process
+PYTEST_ARGS ?= -n 2
+
 test: lint
-	$(PY) -m pytest tests
+	$(PY) -m pytest $(PYTEST_ARGS) tests
 
 demo: venv
 	$(PY) -m dyndepth demo

@@ -673,8 +673,10 @@ def test_forward_evaluations_under_vmap(strategy):
 
 @pytest.mark.parametrize("strategy,ckpt", [("checkpointed", k) for k in (None, 1, 2, 3, 6)])
 def test_gradient_evaluations_follow_depth(strategy, ckpt):
-    """jit(value_and_grad): ``2 * depth`` body evaluations with every carry stored
-    (``checkpoints=None`` or ``K >= depth``), at most ``3 * depth`` with ``K < depth``."""
+    """jit(value_and_grad), unbatched: ``depth`` body evaluations when every step's residuals
+    are stored (``checkpoints=None`` or ``K >= max_depth``: no recomputation), ``2 * depth``
+    with a checkpoint at every step taken (``depth <= K < max_depth``), at most ``3 * depth``
+    with ``K < depth``."""
     max_depth = 6
     counter = Counter()
 
@@ -687,7 +689,9 @@ def test_gradient_evaluations_follow_depth(strategy, ckpt):
     vg = jax.jit(jax.value_and_grad(loss))
     for d in (0, 1, 2, 3, 6):
         n = counter.run(vg, X0, jnp.int32(d))
-        if ckpt is None or ckpt >= d:
+        if ckpt is None or ckpt >= max_depth:
+            assert n == d, f"depth={d}: {n} evaluations"
+        elif ckpt >= d:
             assert n == 2 * d, f"depth={d}: {n} evaluations"
         else:
             assert 2 * d <= n <= 3 * d, f"depth={d}: {n} evaluations"
@@ -698,7 +702,10 @@ def test_gradient_evaluations_follow_depth(strategy, ckpt):
         )
 
 
-def test_auto_without_gradient_runs_depth_steps_and_with_gradient_twice():
+def test_auto_evaluations_unbatched_and_vmapped():
+    """``"auto"``: ``depth`` evaluations without a gradient; with one, unbatched, still
+    ``depth`` (the forward pass stores each step's residuals); under vmap ``2 * depth`` (the
+    carries are stored and each step is recomputed once)."""
     counter = Counter()
 
     def out(x, d):
@@ -706,9 +713,62 @@ def test_auto_without_gradient_runs_depth_steps_and_with_gradient_twice():
 
     fwd = jax.jit(out)
     vg = jax.jit(jax.value_and_grad(lambda x, d: jnp.sum(out(x, d))))
+    vg_b = jax.jit(jax.value_and_grad(lambda x, d: jnp.sum(jax.vmap(out, (0, None))(x, d))))
     for d in (0, 2, MAX):
         assert counter.run(fwd, X0, jnp.int32(d)) == d
-        assert counter.run(vg, X0, jnp.int32(d)) == 2 * d
+        assert counter.run(vg, X0, jnp.int32(d)) == d
+        assert counter.run(vg_b, XB, jnp.int32(d)) == 2 * d
+
+
+def _wide(counter):
+    """A step whose residuals (a 64-wide hidden layer, twice) exceed the stored-residual budget
+    of 4x the carry (3 floats)."""
+    W1 = jax.random.normal(jax.random.PRNGKey(3), (64, D)) / 2
+    W2 = jax.random.normal(jax.random.PRNGKey(4), (D, 64)) / 8
+
+    def f(x):
+        counter.tick()
+        return x + W2 @ jnp.tanh(W1 @ x)
+
+    return f
+
+
+def test_large_residuals_are_recomputed_instead_of_stored():
+    counter = Counter()
+    f = _wide(counter)
+
+    def loss(x, d):
+        return jnp.sum(dd.repeat(f, x, d, max_depth=MAX, strategy="auto") ** 2)
+
+    vg = jax.jit(jax.value_and_grad(loss))
+    assert counter.run(vg, X0, jnp.int32(3)) == 6
+
+    def reference(x, d):
+        for _ in range(d):
+            x = f(x)
+        return jnp.sum(x**2)
+
+    tree_allclose(vg(X0, jnp.int32(3))[1], jax.grad(reference)(X0, 3), **GTOL)
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_jacrev_and_vmap_of_vjp_match_the_reference(wide):
+    """jacrev (vmap of the pullback over cotangents, the forward pass unbatched) through both
+    backward paths: stored residuals, and stored carries."""
+    f = _wide(Counter()) if wide else (lambda x: x + jnp.tanh(W0 @ x))
+
+    def reference(x, d):
+        for _ in range(d):
+            x = f(x)
+        return x
+
+    def fn(x, d):
+        return dd.repeat(f, x, d, max_depth=MAX, strategy="auto")
+
+    for d in (0, 1, 3):
+        tree_allclose(
+            jax.jit(jax.jacrev(fn))(X0, jnp.int32(d)), jax.jacrev(reference)(X0, d), **GTOL
+        )
 
 
 # ----------------------------------------------------------------------------- errors

@@ -242,9 +242,15 @@ def test_layer_drop_cost_follows_the_kept_layers():
         return layer(p, x)
 
     f = jax.jit(lambda key: dnn.layer_drop(counted, PARAMS, X, key, 0.5))
+    # With a gradient too: the forward pass stores each kept layer's residuals (its parameters
+    # referenced in the stack, not copied) and the backward pass does not recompute the layer.
+    vg = jax.jit(
+        jax.value_and_grad(lambda p, key: jnp.sum(dnn.layer_drop(counted, p, X, key, 0.5) ** 2))
+    )
     for key in KEYS[:4]:
         kept = int(jnp.sum(jax.random.bernoulli(key, 0.5, (L,))))
         assert counter.run(f, key) == kept
+        assert counter.run(vg, PARAMS, key) == kept
 
 
 def test_layer_drop_per_sample_keys_under_vmap():

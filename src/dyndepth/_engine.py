@@ -19,6 +19,12 @@ Strategies:
   whose backward is a while loop over the steps taken, in reverse. The forward and the backward are
   ``custom_vmap`` functions, so under ``vmap`` shared parameters stay shared and their gradient is
   summed inside the loop instead of being broadcast to the batch.
+
+  Unbatched (outside ``vmap`` and ``shard_map``) and with no checkpoint thinning, the forward
+  loop stores each step's *residuals* (what the step's own vjp needs, parameters referenced
+  instead of copied) and the backward loop applies the step's pullback without recomputing the
+  step, as ``lax.scan`` does. Batched loops, and steps whose residuals are large next to the
+  carry, store the carry and recompute each step once.
 """
 
 from __future__ import annotations
@@ -105,6 +111,12 @@ class Problem:
     keys: KeySchedule | None
     schedule: bool = False
     sched_slots: int | None = None
+    # ``step`` slices its first ``stacked`` consts at ``x[0]`` (a layer index) along axis 0 and
+    # hands the slices to ``inner``; the stored-residual path differentiates with respect to the
+    # slices, so that a layer's parameters are neither stored nor given a stack-size gradient
+    # at every step.
+    stacked: int = 0
+    inner: Callable[[Leaves, Leaves, Leaves, Any], tuple[Leaves, Leaves]] | None = None
 
     @property
     def slots(self) -> int:
@@ -384,6 +396,201 @@ def backward_batched(
     return out["acc"], out["ct"], out["ct_xs"]
 
 
+# ----------------------------------------------------------------------------- stored residuals
+
+# A step's stored residuals may take at most this many times the carry's bytes; beyond it the
+# loop stores the carry and recomputes the step in the backward pass (bounded memory).
+RESIDUAL_BUDGET = 4
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ResidualPlan:
+    """Where each leaf of one step's pullback comes from in the backward pass.
+
+    ``sources[q]`` is ``("k", m)`` (const ``m``, sliced if stacked), ``("c", m)`` (carry leaf
+    ``m``: the stored carry), ``("x", m)`` (leaf ``m`` of the step's ``x``), ``("key",)`` or
+    ``("s", r)`` (stored residual ``r``, of aval ``stored[r]``)."""
+
+    treedef: Any
+    sources: tuple[tuple, ...]
+    stored: tuple[jax.ShapeDtypeStruct, ...]
+
+
+def step_consts(prob: Problem, consts: Leaves, x: Leaves) -> Leaves:
+    """The consts one step sees: the stacked ones sliced at the step's layer index."""
+    S = prob.stacked
+    if not S:
+        return list(consts)
+    i = x[0]
+    return [lax.dynamic_index_in_dim(c, i, 0, keepdims=False) for c in consts[:S]] + list(
+        consts[S:]
+    )
+
+
+def _step_vjp(prob: Problem, consts: Leaves, carry: Leaves, x: Leaves, key: Any):
+    """One step and its pullback: ``(new_carry, y), pullback`` for the differentiable leaves of
+    ``(consts, carry, x)`` (``consts`` as :func:`step_consts` gives them)."""
+    step = prob.inner or prob.step
+    kmask = [is_diff(c) for c in consts]
+    cmask, xmask, ymask = prob.carry_mask, prob.x_mask, prob.y_mask
+    kn, cn, xn = take(consts, kmask, False), take(carry, cmask, False), take(x, xmask, False)
+
+    def f(kd_, cd, xd):
+        new_c, y = step(merge(kd_, kn, kmask), merge(cd, cn, cmask), merge(xd, xn, xmask), key)
+        out = (take(list(new_c), cmask), take(list(y), ymask))
+        return out, (list(new_c), list(y))
+
+    _, pullback, aux = jax.vjp(
+        f, take(consts, kmask), take(carry, cmask), take(x, xmask), has_aux=True
+    )
+    return aux, pullback
+
+
+def _nbytes(avals) -> int:
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in avals)
+
+
+def residual_plan(prob: Problem, consts, init, xs, kd) -> ResidualPlan | None:
+    """Plan the stored-residual path for an unbatched loop, or ``None`` where it does not apply
+    (checkpoint thinning, inside ``shard_map``, or residuals over the budget)."""
+    if prob.thinning or _vma.manual_axes():
+        return None
+    found = {}
+
+    def trace(consts, carry, x, kd):
+        key = None if prob.keys is None else prob.keys.key_at(kd, jnp.zeros((), jnp.int32))
+        cs = step_consts(prob, consts, x)
+        _, pullback = _step_vjp(prob, cs, carry, x, key)
+        leaves, treedef = jax.tree_util.tree_flatten(pullback)
+        named = [("k", m, c) for m, c in enumerate(cs)] + [("c", m, c) for m, c in enumerate(carry)]
+        named += [("x", m, c) for m, c in enumerate(x)]
+        sources, stored = [], []
+        for leaf in leaves:
+            hit = next((n[:2] for n in named if n[2] is leaf), None)
+            if hit is None and key is not None and leaf is key:
+                hit = ("key",)
+            if hit is None:
+                hit = ("s", len(stored))
+                stored.append(leaf)
+            sources.append(hit)
+        found.update(treedef=treedef, sources=tuple(sources))
+        return stored
+
+    x_avals = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in xs]
+    stored = jax.eval_shape(trace, [_aval_of(c) for c in consts], list(prob.carry_avals), x_avals,
+                            None if kd is None else _aval_of(kd))  # fmt: skip
+    stored = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stored)
+    if _nbytes(stored) > RESIDUAL_BUDGET * max(_nbytes(prob.carry_avals), 1):
+        return None
+    return ResidualPlan(treedef=found["treedef"], sources=found["sources"], stored=stored)
+
+
+def _aval_of(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+
+
+def forward_residuals(prob: Problem, plan: ResidualPlan, consts, cconsts, init, xs, n, kd):
+    """The unbatched forward loop that stores, per step, the carry (``buf``) and the pullback's
+    other residuals (``ext``). Returns ``(carry, ys, steps, (buf, stride, ext), stats)``."""
+    T = prob.max_steps
+
+    def active(i, carry):
+        act = i < n
+        if prob.cond is not None:
+            act = act & prob.cond(cconsts, carry)
+        return act
+
+    def put(bufs, i, vals):
+        return [
+            lax.dynamic_update_index_in_dim(b, v, i, 0) for b, v in zip(bufs, vals, strict=True)
+        ]
+
+    i0 = jnp.zeros((), jnp.int32)
+    state = dict(
+        i=i0,
+        act=active(i0, list(init)),
+        carry=list(init),
+        ys=[jnp.zeros((T,) + a.shape, a.dtype) for a in prob.y_avals],
+        buf=[jnp.zeros((T,) + a.shape, a.dtype) for a in prob.carry_avals],
+        ext=[jnp.zeros((T,) + a.shape, a.dtype) for a in plan.stored],
+    )
+
+    def body(s):
+        i, carry = s["i"], s["carry"]
+        x = [lax.dynamic_index_in_dim(a, i, 0, keepdims=False) for a in xs]
+        key = None if prob.keys is None else prob.keys.key_at(kd, i)
+        (new_c, y), pullback = _step_vjp(prob, step_consts(prob, consts, x), carry, x, key)
+        leaves = jax.tree_util.tree_leaves(pullback)
+        stored = [leaf for leaf, src in zip(leaves, plan.sources, strict=True) if src[0] == "s"]
+        s = dict(s)
+        s["buf"] = put(s["buf"], i, carry)
+        s["ext"] = put(s["ext"], i, stored)
+        s["ys"] = put(s["ys"], i, y)
+        s["carry"] = list(new_c)
+        s["i"] = i + 1
+        s["act"] = active(s["i"], s["carry"])
+        return s
+
+    out = lax.while_loop(lambda s: s["act"], body, state)
+    res = (out["buf"], jnp.ones((), jnp.int32), out["ext"])
+    return out["carry"], out["ys"], out["i"], res, stats_of(out["i"], 1)
+
+
+def backward_residuals(prob: Problem, plan: ResidualPlan, consts, xs, kd, res, steps, ct_carry,
+                       ct_ys):  # fmt: skip
+    """The reverse sweep of :func:`forward_residuals`: each step's pullback, rebuilt from its
+    stored and referenced residuals, without recomputing the step. Returns the cotangents of the
+    differentiable consts, of ``init`` and of ``xs`` (as :func:`backward_batched`)."""
+    buf, _, ext = res
+    S = prob.stacked
+    kmask = [is_diff(c) for c in consts]
+    xmask = prob.x_mask
+
+    def body(s):
+        j = s["j"]
+        x = [lax.dynamic_index_in_dim(a, j, 0, keepdims=False) for a in xs]
+        cs = step_consts(prob, consts, x)
+        at = lambda b: lax.dynamic_index_in_dim(b, j, 0, keepdims=False)  # noqa: E731
+        leaves = []
+        for src in plan.sources:
+            if src[0] == "k":
+                leaves.append(cs[src[1]])
+            elif src[0] == "c":
+                leaves.append(at(buf[src[1]]))
+            elif src[0] == "x":
+                leaves.append(x[src[1]])
+            elif src[0] == "key":
+                leaves.append(prob.keys.key_at(kd, j))
+            else:
+                leaves.append(at(ext[src[1]]))
+        pullback = jax.tree_util.tree_unflatten(plan.treedef, leaves)
+        ct_y = [at(c) for c in ct_ys]
+        g_k, g_c, g_x = pullback((s["ct"], ct_y))
+        acc, it = [], iter(g_k)
+        for m, a in zip([m for m, d in enumerate(kmask) if d], s["acc"], strict=True):
+            g = next(it)
+            # A stacked const gets its slice's cotangent added in place at the layer index.
+            acc.append(a.at[x[0]].add(g) if m < S else a + g)
+        s = dict(s)
+        s["acc"] = acc
+        s["ct"] = list(g_c)
+        s["ct_xs"] = [
+            lax.dynamic_update_index_in_dim(b, g, j, 0)
+            for b, g in zip(s["ct_xs"], g_x, strict=True)
+        ]
+        s["j"] = j - 1
+        return s
+
+    state = dict(
+        j=steps - 1,
+        ct=list(ct_carry),
+        acc=[jnp.zeros(jnp.shape(c), jnp.result_type(c)) for c in take(consts, kmask)],
+        ct_xs=[jnp.zeros_like(a) for a in take(xs, xmask)],
+    )
+    out = lax.while_loop(lambda s: s["j"] >= 0, body, state)
+    return out["acc"], out["ct"], out["ct_xs"]
+
+
 # ----------------------------------------------------------------------------- batching plumbing
 
 
@@ -406,6 +613,10 @@ def _axes(batched):
     return [0 if b else None for b in batched]
 
 
+def _axes_tree(batched):
+    return jax.tree_util.tree_map(lambda b: 0 if b else None, batched)
+
+
 def _flat_batched(tree_batched) -> list[bool]:
     return [bool(b) for b in jax.tree_util.tree_leaves(tree_batched)]
 
@@ -415,13 +626,23 @@ def _steps_batched(prob: Problem, n_batched: bool) -> bool:
     return bool(n_batched) or prob.cond is not None
 
 
-def _make_fwd(prob: Problem, store: bool):
+def _make_fwd(prob: Problem, store: bool, plan: ResidualPlan | None = None):
     """The forward loop as a custom_vmap function of unbatched arguments.
 
-    Returns ``(carry, ys, steps, stats)`` (+ residuals with ``store``)."""
+    Returns ``(carry, ys, steps, stats)`` (+ residuals ``(buf, stride, ext)`` with ``store``;
+    ``ext``, the stored-residual buffers of ``plan``, is filled by an unbatched call only)."""
+
+    def no_ext():
+        return [] if plan is None else [jnp.zeros((prob.max_steps,) + a.shape, a.dtype)
+                                        for a in plan.stored]  # fmt: skip
 
     @custom_vmap
     def fwd(consts, cconsts, init, xs, n, kd):
+        if store and plan is not None:
+            carry, ys, steps, res, stats = forward_residuals(
+                prob, plan, consts, cconsts, init, xs, n, kd
+            )
+            return (carry, ys, steps, stats, res)
         c_axes, cc_axes = [None] * len(consts), [None] * len(cconsts)
         carry, ys, steps, res, stats = forward_batched(
             prob,
@@ -437,7 +658,7 @@ def _make_fwd(prob: Problem, store: bool):
         )
         out = (_squeeze(carry), _squeeze(ys), steps[0], stats)
         if store:
-            out = out + ((_squeeze(res[0]), res[1][0]),)
+            out = out + ((_squeeze(res[0]), res[1][0], no_ext()),)
         return out
 
     @fwd.def_vmap
@@ -472,23 +693,24 @@ def _make_fwd(prob: Problem, store: bool):
         carry, ys, steps, res, stats = out
         # A shared depth stays unbatched, so the backward pass runs unscheduled (no waste).
         steps = steps if per_sample else steps[0]
-        outs = (carry, ys, steps, stats) + ((res,) if store else ())
-        batched = (
-            [True] * len(carry),
-            [True] * len(ys),
-            per_sample,
-            False,
-        ) + ((jax.tree_util.tree_map(lambda _: True, res),) if store else ())
+        outs = (carry, ys, steps, stats)
+        batched = ([True] * len(carry), [True] * len(ys), per_sample, False)
+        if store:
+            # Batched, the backward pass recomputes from the carries; ``ext`` stays unused.
+            ext = no_ext()
+            outs = outs + ((res[0], res[1], ext),)
+            batched = batched + (([True] * len(res[0]), True, [False] * len(ext)),)
         return outs, batched
 
     return fwd
 
 
-def _make_bwd(prob: Problem):
-    @custom_vmap
-    def bwd(consts, xs, kd, res, steps, ct_carry, ct_ys):
+def _make_bwd(prob: Problem, plan: ResidualPlan | None = None):
+    def unbatched(consts, xs, kd, res, steps, ct_carry, ct_ys):
+        if plan is not None:
+            return backward_residuals(prob, plan, consts, xs, kd, res, steps, ct_carry, ct_ys)
         c_axes = [None] * len(consts)
-        buf, stride = res
+        buf, stride, _ = res
         acc, ct, ct_xs = backward_batched(
             prob,
             consts,
@@ -502,14 +724,22 @@ def _make_bwd(prob: Problem):
         )
         return acc, _squeeze(ct), _squeeze(ct_xs)
 
+    bwd = custom_vmap(unbatched)
+
     @bwd.def_vmap
     def bwd_rule(axis_size, in_batched, consts, xs, kd, res, steps, ct_carry, ct_ys):
         cb, xb, kb, rb, sb, ctb, ctyb = in_batched
+        if plan is not None and not any(rb[0]):
+            # The forward pass ran unbatched (stored residuals) and only the cotangents are
+            # batched, as in jacrev: one residual sweep per cotangent.
+            args = (consts, xs, kd, res, steps, ct_carry, ct_ys)
+            out = jax.vmap(unbatched, in_axes=tuple(_axes_tree(b) for b in in_batched))(*args)
+            return out, jax.tree_util.tree_map(lambda _: True, out)
         B = axis_size
         xs = _batch(xs, xb, B)
         if kd is not None:
             kd = _batch([kd], [kb], B)[0]
-        buf, stride = res
+        buf, stride, _ = res
         buf = _batch(buf, rb[0], B)
         stride = _batch([stride], [rb[1]], B)[0]
         steps = _batch([steps], [sb], B)[0]
@@ -541,9 +771,10 @@ def _make_bwd(prob: Problem):
 
 
 def run_checkpointed(prob: Problem, consts, cconsts, init, xs, n, kd):
+    plan = residual_plan(prob, consts, init, xs, kd)
     fwd_plain = _make_fwd(prob, store=False)
-    fwd_store = _make_fwd(prob, store=True)
-    bwd = _make_bwd(prob)
+    fwd_store = _make_fwd(prob, store=True, plan=plan)
+    bwd = _make_bwd(prob, plan)
     cmask, xmask, ymask = prob.carry_mask, prob.x_mask, prob.y_mask
     kmask = [is_diff(c) for c in consts]
 

@@ -76,11 +76,17 @@ def _build(
     checkpoints: int | None,
     slots: int | None = None,
     batch: bool = False,
+    stacked: Any = None,
 ):
     """Validate, closure-convert and run. Returns ``(carry, ys, steps, stats)``.
 
     With ``batch``, ``init``, ``n`` and ``key`` carry a leading batch axis (``xs`` must be None)
-    and the loop runs as one explicitly batched custom_vjp (see ``run_batch``)."""
+    and the loop runs as one explicitly batched custom_vjp (see ``run_batch``).
+
+    With ``stacked`` (a pytree of arrays with a common leading axis), ``step_fn`` takes a fourth
+    argument, the slice of ``stacked`` at the step's first ``xs`` leaf (an int32 index): the
+    engine does the slicing, so its stored-residual path can reference the slice instead of
+    storing it (see ``Problem.stacked``)."""
     strategy = _checks.strategy_arg(strategy)
     init = jax.tree_util.tree_map(_strong, init)
     carry_leaves, carry_tree = jax.tree_util.tree_flatten(init)
@@ -110,21 +116,40 @@ def _build(
         return jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)) if batch else _aval(a)
 
     init_example = jax.tree_util.tree_map(sample_aval, init)
-    call, consts, out_shape = _hoist(step_fn, init_example, x_example, key_example)
+    stacked_leaves, stacked_tree = jax.tree_util.tree_flatten(stacked)
+    S = len(stacked_leaves)
+    if S:
+        p_example = jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stacked
+        )
+        call, consts, out_shape = _hoist(step_fn, init_example, x_example, key_example, p_example)
+    else:
+        call, consts, out_shape = _hoist(step_fn, init_example, x_example, key_example)
     new_carry_shape, y_shape = out_shape
     _checks.carry_matches(init_example, new_carry_shape, fname)
     y_leaves_shape, y_tree = jax.tree_util.tree_flatten(y_shape)
     dtypes = [a.dtype for a in carry_leaves]
 
-    def step(consts, c_leaves, x_leaves, k):
+    def inner(consts, c_leaves, x_leaves, k):
         carry = jax.tree_util.tree_unflatten(carry_tree, c_leaves)
         x = jax.tree_util.tree_unflatten(xs_tree, x_leaves)
-        new_carry, y = call(consts, carry, x, k)
+        if S:
+            p = jax.tree_util.tree_unflatten(stacked_tree, consts[:S])
+            new_carry, y = call(consts[S:], carry, x, k, p)
+        else:
+            new_carry, y = call(consts, carry, x, k)
         new_leaves = [
             jnp.asarray(a).astype(d)
             for a, d in zip(jax.tree_util.tree_leaves(new_carry), dtypes, strict=True)
         ]
         return new_leaves, jax.tree_util.tree_leaves(y)
+
+    def step(consts, c_leaves, x_leaves, k):
+        if S:
+            i = x_leaves[0]
+            sliced = [lax.dynamic_index_in_dim(c, i, 0, keepdims=False) for c in consts[:S]]
+            consts = sliced + list(consts[S:])
+        return inner(consts, c_leaves, x_leaves, k)
 
     cond = None
     cconsts: list[Any] = []
@@ -152,7 +177,10 @@ def _build(
         keys=keys,
         schedule=strategy == "auto",
         sched_slots=slots,
+        stacked=S,
+        inner=inner if S else None,
     )
+    consts = list(stacked_leaves) + list(consts)
     if length == 0:
         lead = n.shape if batch else ()
         ys = [jnp.zeros(lead + (0,) + a.shape, a.dtype) for a in prob.y_avals]
@@ -219,10 +247,11 @@ def repeat(
       ``"while"``     jit, vmap, jvp/jacfwd; reverse mode        ``depth`` steps
                       raises a TypeError
       ``"checkpoint   jit, vmap, grad/vjp/jacrev; forward-   forward and backward follow
-      ed"``           over-reverse only under vmap (JAX's        ``depth``: ``2 * depth`` step
-                      custom_vmap jvp rule fails otherwise);
-                      not jvp of the loop itself                 evaluations with all carries
-                                                                 stored
+      ed"``           over-reverse only under vmap (JAX's        ``depth``: ``depth`` step
+                      custom_vmap jvp rule fails otherwise);     evaluations unbatched (stored
+                      not jvp of the loop itself                 residuals), ``2 * depth`` under
+                                                                 vmap (stored carries); see
+                                                                 ``checkpoints``
       ``"auto"``      as ``"checkpointed"``                      as ``"checkpointed"``, and under
                                                                  ``vmap`` with per-sample depths
                                                                  the per-sample scheduler: work
@@ -234,8 +263,14 @@ def repeat(
       until its deepest sample is done, masking finished samples (``B * max(depth)`` sample
       steps); ``"auto"`` schedules samples into slots (about ``sum(depth)``). Parameters shared
       by the batch are never broadcast, and their gradient is summed inside the backward loop.
-    - ``checkpoints``: ``None`` stores every carry for the backward pass (``max_depth`` carries
-      of memory, ``2 * depth`` step evaluations). An int ``K >= 1`` stores at most ``K``
+    - ``checkpoints``: ``None`` stores something for every step. Unbatched (outside ``vmap``
+      and ``shard_map``), the step's *residuals*, the values its vjp needs, as ``lax.scan``
+      stores them, except that parameters the step closes over (and, in ``dyndepth.nn``, the
+      layer's slice of a stacked parameter) are referenced, not copied: the backward pass then
+      evaluates no step again (``depth`` step evaluations in all). If one step's residuals
+      take more than 4x the carry's bytes, and under ``vmap``, the carry is stored instead
+      (``max_depth`` carries of memory) and each step is evaluated once more in the backward
+      pass (``2 * depth`` in all). An int ``K >= 1`` stores at most ``K``
       checkpoints, evenly spaced over the steps actually taken (spacing doubles when the slots
       fill up), and recomputes the carries between two checkpoints during the backward pass
       into a buffer of ``S`` carries, ``S`` the smallest power of two with
@@ -376,6 +411,36 @@ def scan(
         slots=slots,
     )
     return carry, ys
+
+
+def scan_stacked(
+    f: Callable,
+    init: Any,
+    xs: Any,
+    stacked: Any,
+    *,
+    depth: Any,
+    strategy: Strategy = "auto",
+    checkpoints: int | None = None,
+) -> Any:
+    """Internal (``dyndepth.nn``): ``scan`` whose step ``f(carry, x, p) -> carry`` also gets
+    ``p``, the slice of the pytree ``stacked`` at ``x[0]``, an int32 layer index and the first
+    leaf of ``xs``. Returns the final carry. The arguments are the caller's to validate."""
+    length = int(jnp.shape(jax.tree_util.tree_leaves(xs)[0])[0])
+    carry, _, _, _ = _build(
+        step_fn=lambda carry, x, k, p: (f(carry, x, p), None),
+        fname="layer_fn",
+        init=init,
+        xs=jax.tree_util.tree_map(jnp.asarray, xs),
+        length=length,
+        n=_checks.count_arg(depth, "depth", "length", length, False),
+        key=None,
+        cond_fn=None,
+        strategy=strategy,
+        checkpoints=_checks.checkpoints_arg(checkpoints),
+        stacked=stacked,
+    )
+    return carry
 
 
 def while_loop(

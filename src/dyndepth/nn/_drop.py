@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-import dyndepth
-
+from .._loop import scan_stacked
 from . import _validate as v
 
 __all__ = ["drop_path", "layer_drop", "stochastic_residual"]
@@ -306,9 +305,12 @@ def layer_drop(
     - ``deterministic``: static bool; ``True`` runs every layer (evaluation), with a plain
       ``lax.scan``.
     - ``strategy``, ``checkpoints``: passed to :func:`dyndepth.scan`. ``"auto"`` (default)
-      and ``"checkpointed"`` store one activation per kept layer and recompute each kept layer
-      once in the backward pass. ``"masked"`` (scan + cond over all ``L`` layers) supports
-      forward mode too, and skips dropped layers when the decisions are unbatched, but its
+      and ``"checkpointed"`` store each kept layer's residuals (the layer's parameters are
+      referenced in the stack, not copied) and run no layer again in the backward pass; under
+      ``vmap`` with per-sample keys, or when a layer's residuals exceed 4x the size of ``x``,
+      they store one activation per kept layer and recompute each kept layer once.
+      ``"masked"`` (scan + cond over all ``L`` layers) supports forward mode too, and skips
+      dropped layers when the decisions are unbatched, but its
       reverse mode adds a gradient the size of the whole stack at every layer (slow for large
       stacks); ``"while"`` is forward mode only.
 
@@ -358,19 +360,18 @@ def layer_drop(
     idx = jnp.nonzero(run, size=L, fill_value=0)[0]
     xs = (idx, rates[idx], None if mode == "batch" else keep[idx])
 
-    def step(x, xs_l):
-        i, r, rows = xs_l
-        # Gather the layer's parameters here, from the shared stack: under vmap with per-sample
-        # keys only the running slots' parameters are gathered, never a copy of the stack.
-        p = jax.tree_util.tree_map(
-            lambda a: lax.dynamic_index_in_dim(a, i, 0, False), stacked_params
-        )
+    def step(x, xs_l, p):
+        # ``p``, the layer's parameters, is sliced from the shared stack by the loop: under vmap
+        # with per-sample keys only the running slots' parameters are gathered, never a copy of
+        # the stack; unbatched, the backward pass references the slice instead of storing it.
+        _, r, rows = xs_l
         y = layer_fn(p, x)
         if scale:
             y = x + _scaled(y - x, r)
         if rows is not None:
             y = jnp.where(rows.reshape(shape), y, x)
-        return y, None
+        return y
 
-    out, _ = dyndepth.scan(step, x, xs, depth=count, strategy=strategy, checkpoints=checkpoints)
-    return out
+    return scan_stacked(
+        step, x, xs, stacked_params, depth=count, strategy=strategy, checkpoints=checkpoints
+    )

@@ -253,6 +253,32 @@ def test_layer_drop_cost_follows_the_kept_layers():
         assert counter.run(vg, PARAMS, key) == kept
 
 
+def test_layer_drop_references_the_layer_parameters_instead_of_storing_them():
+    """One row of width 8: a layer's 8x8 weight is 8x the carry, over the 4x stored-residual
+    budget, so a single evaluation per kept layer under value_and_grad shows that the backward
+    pass takes the weight from the stack instead of a per-layer copy; gradients stay right."""
+    counter = Counter()
+    k1, k2 = jax.random.split(jax.random.PRNGKey(7))
+    params = {"w": jax.random.normal(k1, (L, 8, 8)) / 3, "b": jnp.zeros((L, 8))}
+    x = jax.random.normal(k2, (1, 8))
+
+    def counted(p, x):
+        counter.tick()
+        return layer(p, x)
+
+    def loss(p, key):
+        return jnp.sum(jnp.sin(dnn.layer_drop(counted, p, x, key, 0.5)))
+
+    def ref_loss(p, key):
+        return jnp.sum(jnp.sin(layer_drop_reference(p, x, key, 0.5, "batch")))
+
+    vg = jax.jit(jax.value_and_grad(loss))
+    for key in KEYS[:3]:
+        kept = int(jnp.sum(jax.random.bernoulli(key, 0.5, (L,))))
+        assert counter.run(vg, params, key) == kept
+        tree_allclose(vg(params, key), jax.value_and_grad(ref_loss)(params, key), **GTOL)
+
+
 def test_layer_drop_per_sample_keys_under_vmap():
     def loss(p):
         out = jax.vmap(lambda x, k: dnn.layer_drop(layer, p, x, k, 0.5))(X, KEYS[:B])

@@ -20,11 +20,17 @@ Strategies:
   ``custom_vmap`` functions, so under ``vmap`` shared parameters stay shared and their gradient is
   summed inside the loop instead of being broadcast to the batch.
 
-  Unbatched (outside ``vmap`` and ``shard_map``) and with no checkpoint thinning, the forward
-  loop stores each step's *residuals* (what the step's own vjp needs, parameters referenced
-  instead of copied) and the backward loop applies the step's pullback without recomputing the
-  step, as ``lax.scan`` does. Batched loops, and steps whose residuals are large next to the
-  carry, store the carry and recompute each step once.
+  Unbatched (no ``vmap``) and with no checkpoint thinning, the loops run without a batch axis
+  (:func:`forward_single`, :func:`backward_single`). The forward loop stores each step's
+  *residuals* (what the step's own vjp needs, parameters referenced instead of copied) and the
+  backward loop applies the step's pullback without recomputing the step, as ``lax.scan`` does
+  (outside ``shard_map``, when the residuals fit :data:`RESIDUAL_BUDGET`); otherwise it stores
+  the carry and the backward loop recomputes each step once.
+
+Under ``jit`` with the batch a ``custom_vmap`` rule sees (or ``run_batch``'s) sharded over
+``Explicit`` mesh axes, the batched loops run inside a ``shard_map`` over those axes, one per
+device on its shard (:func:`dyndepth._vma.per_device`); the loop buffers take the types
+(shardings) of the values written into them.
 """
 
 from __future__ import annotations
@@ -180,13 +186,13 @@ def forward_batched(prob: Problem, consts, c_axes, cconsts, cc_axes, init, xs, n
     B = n.shape[0]
     T = prob.max_steps
     vstep = prob.vstep(c_axes)
-    ys0 = [jnp.zeros((B, T) + a.shape, a.dtype) for a in prob.y_avals]
+    ys0 = [_vma.zeros((B, T), a) for a in prob.y_avals]
     i0 = jnp.zeros((B,), jnp.int32)
     act0 = _active(prob, cconsts, cc_axes, i0, n, init)
     state = dict(i=i0, act=act0, carry=list(init), ys=ys0)
     if store:
         K = prob.slots
-        state["buf"] = [jnp.zeros((B, K) + a.shape, a.dtype) for a in prob.carry_avals]
+        state["buf"] = [_vma.zeros((B, K), a) for a in prob.carry_avals]
         # Slot 0 always holds init, so that the backward pass never evaluates the step at an
         # uninitialised state, even for samples that take no step.
         state["buf"] = [b.at[:, 0].set(c) for b, c in zip(state["buf"], init, strict=True)]
@@ -216,6 +222,11 @@ def forward_batched(prob: Problem, consts, c_axes, cconsts, cc_axes, init, xs, n
     out = _vma.while_loop(lambda s: jnp.any(s["act"]), counted, state)
     res = (out["buf"], out["stride"]) if store else None
     return out["carry"], out["ys"], out["i"], res, stats_of(out["iters"], B)
+
+
+def merge_stats(per_device):
+    """Stats of per-device loops, stacked: the longest loop, the sum of executed steps."""
+    return jnp.stack([jnp.max(per_device[:, 0]), jnp.sum(per_device[:, 1])])
 
 
 def stats_of(iterations, slots):
@@ -318,7 +329,9 @@ def acc_shapes(consts, c_axes, B, per_row):
     for c, ax in zip(consts, c_axes, strict=True):
         if is_diff(c):
             shape = jnp.shape(c) if (ax == 0 or not per_row) else (B,) + jnp.shape(c)
-            out.append(jnp.zeros(shape, jnp.result_type(c)))
+            out.append(
+                jnp.zeros_like(c) if shape == jnp.shape(c) else _vma.zeros((B,), _vma.typed_aval(c))
+            )
     return out
 
 
@@ -363,7 +376,7 @@ def backward_batched(
         if S == 1:
             s = reverse_step(s, start, c0, seg_act)
         else:
-            lb0 = [jnp.zeros((B, S) + a.shape, a.dtype) for a in prob.carry_avals]
+            lb0 = [_vma.zeros((B, S), a) for a in prob.carry_avals]
             lb0 = [b.at[:, 0].set(c) for b, c in zip(lb0, c0, strict=True)]
             tmax = jnp.max(length)
 
@@ -452,7 +465,8 @@ def _nbytes(avals) -> int:
 
 def residual_plan(prob: Problem, consts, init, xs, kd) -> ResidualPlan | None:
     """Plan the stored-residual path for an unbatched loop, or ``None`` where it does not apply
-    (checkpoint thinning, inside ``shard_map``, or residuals over the budget)."""
+    (checkpoint thinning, inside ``shard_map``, values typed with a mesh, or residuals over the
+    budget)."""
     if prob.thinning or _vma.manual_axes():
         return None
     found = {}
@@ -476,22 +490,25 @@ def residual_plan(prob: Problem, consts, init, xs, kd) -> ResidualPlan | None:
         found.update(treedef=treedef, sources=tuple(sources))
         return stored
 
-    x_avals = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in xs]
-    stored = jax.eval_shape(trace, [_aval_of(c) for c in consts], list(prob.carry_avals), x_avals,
-                            None if kd is None else _aval_of(kd))  # fmt: skip
-    stored = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stored)
+    # Traced with the real values (their types, shardings included, reach the stored avals).
+    stored = jax.eval_shape(
+        lambda consts, carry, xs, kd: trace(consts, carry, [a[0] for a in xs], kd),
+        list(consts),
+        list(prob.carry_avals),
+        list(xs),
+        kd,
+    )
+    stored = tuple(stored)
     if _nbytes(stored) > RESIDUAL_BUDGET * max(_nbytes(prob.carry_avals), 1):
         return None
     return ResidualPlan(treedef=found["treedef"], sources=found["sources"], stored=stored)
 
 
-def _aval_of(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
-
-
-def forward_residuals(prob: Problem, plan: ResidualPlan, consts, cconsts, init, xs, n, kd):
-    """The unbatched forward loop that stores, per step, the carry (``buf``) and the pullback's
-    other residuals (``ext``). Returns ``(carry, ys, steps, (buf, stride, ext), stats)``."""
+def forward_single(prob: Problem, plan: ResidualPlan | None, consts, cconsts, init, xs, n, kd,
+                   *, store: bool):  # fmt: skip
+    """The unbatched forward loop, with no batch axis (no ``vmap`` of the step). With ``store``
+    it stores, per step, the carry (``buf``) and, with a ``plan``, the pullback's other
+    residuals (``ext``). Returns ``(carry, ys, steps, (buf, stride, ext) or None, stats)``."""
     T = prob.max_steps
 
     def active(i, carry):
@@ -510,37 +527,61 @@ def forward_residuals(prob: Problem, plan: ResidualPlan, consts, cconsts, init, 
         i=i0,
         act=active(i0, list(init)),
         carry=list(init),
-        ys=[jnp.zeros((T,) + a.shape, a.dtype) for a in prob.y_avals],
-        buf=[jnp.zeros((T,) + a.shape, a.dtype) for a in prob.carry_avals],
-        ext=[jnp.zeros((T,) + a.shape, a.dtype) for a in plan.stored],
+        ys=[_vma.zeros((T,), a) for a in prob.y_avals],
     )
+    if store:
+        state["buf"] = [_vma.zeros((T,), a) for a in prob.carry_avals]
+        state["ext"] = [] if plan is None else [_vma.zeros((T,), a) for a in plan.stored]
 
     def body(s):
         i, carry = s["i"], s["carry"]
         x = [lax.dynamic_index_in_dim(a, i, 0, keepdims=False) for a in xs]
         key = None if prob.keys is None else prob.keys.key_at(kd, i)
-        (new_c, y), pullback = _step_vjp(prob, step_consts(prob, consts, x), carry, x, key)
-        leaves = jax.tree_util.tree_leaves(pullback)
-        stored = [leaf for leaf, src in zip(leaves, plan.sources, strict=True) if src[0] == "s"]
         s = dict(s)
-        s["buf"] = put(s["buf"], i, carry)
-        s["ext"] = put(s["ext"], i, stored)
-        s["ys"] = put(s["ys"], i, y)
+        if plan is None:
+            new_c, y = prob.step(consts, carry, x, key)
+            if store:
+                s["buf"] = put(s["buf"], i, carry)
+        else:
+            (new_c, y), pullback = _step_vjp(prob, step_consts(prob, consts, x), carry, x, key)
+            leaves = jax.tree_util.tree_leaves(pullback)
+            stored = [lf for lf, src in zip(leaves, plan.sources, strict=True) if src[0] == "s"]
+            s["buf"] = put(s["buf"], i, carry)
+            s["ext"] = put(s["ext"], i, stored)
+        s["ys"] = put(s["ys"], i, list(y))
         s["carry"] = list(new_c)
         s["i"] = i + 1
         s["act"] = active(s["i"], s["carry"])
         return s
 
-    out = lax.while_loop(lambda s: s["act"], body, state)
-    res = (out["buf"], jnp.ones((), jnp.int32), out["ext"])
+    out = _vma.while_loop(lambda s: s["act"], body, state)
+    res = (out["buf"], jnp.ones((), jnp.int32), out["ext"]) if store else None
     return out["carry"], out["ys"], out["i"], res, stats_of(out["i"], 1)
 
 
-def backward_residuals(prob: Problem, plan: ResidualPlan, consts, xs, kd, res, steps, ct_carry,
-                       ct_ys):  # fmt: skip
-    """The reverse sweep of :func:`forward_residuals`: each step's pullback, rebuilt from its
-    stored and referenced residuals, without recomputing the step. Returns the cotangents of the
-    differentiable consts, of ``init`` and of ``xs`` (as :func:`backward_batched`)."""
+def _pullback_of(plan: ResidualPlan, cs, buf, ext, x, key, at):
+    """One step's pullback from its stored and referenced residuals."""
+    leaves = []
+    for src in plan.sources:
+        if src[0] == "k":
+            leaves.append(cs[src[1]])
+        elif src[0] == "c":
+            leaves.append(at(buf[src[1]]))
+        elif src[0] == "x":
+            leaves.append(x[src[1]])
+        elif src[0] == "key":
+            leaves.append(key)
+        else:
+            leaves.append(at(ext[src[1]]))
+    return jax.tree_util.tree_unflatten(plan.treedef, leaves)
+
+
+def backward_single(prob: Problem, plan: ResidualPlan | None, consts, xs, kd, res, steps,
+                    ct_carry, ct_ys):  # fmt: skip
+    """The reverse sweep of :func:`forward_single`: each step's pullback, rebuilt from its
+    stored and referenced residuals without recomputing the step (with a ``plan``), or from
+    the step's vjp at the stored carry (without). Returns the cotangents of the differentiable
+    consts, of ``init`` and of ``xs`` (as :func:`backward_batched`)."""
     buf, _, ext = res
     S = prob.stacked
     kmask = [is_diff(c) for c in consts]
@@ -551,19 +592,11 @@ def backward_residuals(prob: Problem, plan: ResidualPlan, consts, xs, kd, res, s
         x = [lax.dynamic_index_in_dim(a, j, 0, keepdims=False) for a in xs]
         cs = step_consts(prob, consts, x)
         at = lambda b: lax.dynamic_index_in_dim(b, j, 0, keepdims=False)  # noqa: E731
-        leaves = []
-        for src in plan.sources:
-            if src[0] == "k":
-                leaves.append(cs[src[1]])
-            elif src[0] == "c":
-                leaves.append(at(buf[src[1]]))
-            elif src[0] == "x":
-                leaves.append(x[src[1]])
-            elif src[0] == "key":
-                leaves.append(prob.keys.key_at(kd, j))
-            else:
-                leaves.append(at(ext[src[1]]))
-        pullback = jax.tree_util.tree_unflatten(plan.treedef, leaves)
+        key = None if prob.keys is None else prob.keys.key_at(kd, j)
+        if plan is None:
+            pullback = _step_vjp(prob, cs, [at(b) for b in buf], x, key)[1]
+        else:
+            pullback = _pullback_of(plan, cs, buf, ext, x, key, at)
         ct_y = [at(c) for c in ct_ys]
         g_k, g_c, g_x = pullback((s["ct"], ct_y))
         acc, it = [], iter(g_k)
@@ -584,10 +617,10 @@ def backward_residuals(prob: Problem, plan: ResidualPlan, consts, xs, kd, res, s
     state = dict(
         j=steps - 1,
         ct=list(ct_carry),
-        acc=[jnp.zeros(jnp.shape(c), jnp.result_type(c)) for c in take(consts, kmask)],
+        acc=[jnp.zeros_like(c) for c in take(consts, kmask)],
         ct_xs=[jnp.zeros_like(a) for a in take(xs, xmask)],
     )
-    out = lax.while_loop(lambda s: s["j"] >= 0, body, state)
+    out = _vma.while_loop(lambda s: s["j"] >= 0, body, state)
     return out["acc"], out["ct"], out["ct_xs"]
 
 
@@ -633,16 +666,15 @@ def _make_fwd(prob: Problem, store: bool, plan: ResidualPlan | None = None):
     ``ext``, the stored-residual buffers of ``plan``, is filled by an unbatched call only)."""
 
     def no_ext():
-        return [] if plan is None else [jnp.zeros((prob.max_steps,) + a.shape, a.dtype)
-                                        for a in plan.stored]  # fmt: skip
+        return [] if plan is None else [_vma.zeros((prob.max_steps,), a) for a in plan.stored]
 
     @custom_vmap
     def fwd(consts, cconsts, init, xs, n, kd):
-        if store and plan is not None:
-            carry, ys, steps, res, stats = forward_residuals(
-                prob, plan, consts, cconsts, init, xs, n, kd
+        if not prob.thinning:
+            carry, ys, steps, res, stats = forward_single(
+                prob, plan, consts, cconsts, init, xs, n, kd, store=store
             )
-            return (carry, ys, steps, stats, res)
+            return (carry, ys, steps, stats) + ((res,) if store else ())
         c_axes, cc_axes = [None] * len(consts), [None] * len(cconsts)
         carry, ys, steps, res, stats = forward_batched(
             prob,
@@ -671,26 +703,38 @@ def _make_fwd(prob: Problem, store: bool, plan: ResidualPlan | None = None):
         n = _batch([n], [nb], B)[0]
         if kd is not None:
             kd = _batch([kd], [kb], B)[0]
-        args = (prob, consts, _axes(cb), cconsts, _axes(ccb), init, xs, n, kd)
-        if prob.schedule and per_sample and B > 1:
-            from . import _schedule
 
-            cands = _schedule.slot_candidates(B)
-            if prob.cond is not None and prob.sched_slots is None:
-                # Stopping steps are unknown before the loop runs: a fixed share of the batch.
-                cands = (cands[min(2, len(cands) - 1)],)
-            out = _schedule.run_with_slots(
-                _schedule.forward_scheduled,
-                n,
-                prob.sched_slots,
-                cands,
-                *args,
-                store=store,
-                by_length=prob.cond is None,
-            )
+        def run(consts, cconsts, init, xs, n, kd):
+            B = n.shape[0]
+            args = (prob, consts, _axes(cb), cconsts, _axes(ccb), init, xs, n, kd)
+            if prob.schedule and per_sample and B > 1:
+                from . import _schedule
+
+                cands = _schedule.slot_candidates(B)
+                if prob.cond is not None and prob.sched_slots is None:
+                    # Stopping steps are unknown before the loop runs: a fixed share of the
+                    # batch.
+                    cands = (cands[min(2, len(cands) - 1)],)
+                return _schedule.run_with_slots(
+                    _schedule.forward_scheduled,
+                    n,
+                    prob.sched_slots,
+                    cands,
+                    *args,
+                    store=store,
+                    by_length=prob.cond is None,
+                )
+            return forward_batched(*args, store=store)
+
+        args = (consts, cconsts, init, xs, n, kd)
+        mesh, axes = _vma.batch_mesh((n, init, xs))
+        if mesh is None:
+            carry, ys, steps, res, stats = run(*args)
         else:
-            out = forward_batched(*args, store=store)
-        carry, ys, steps, res, stats = out
+            # Under plain jit with the batch sharded over Explicit mesh axes: one loop per device.
+            in_b = (cb, ccb, [True] * len(init), [True] * len(xs), True, kd is not None)
+            carry, ys, steps, res, stats = _vma.per_device(run, mesh, axes, args, in_b, 1)
+            stats = merge_stats(stats)
         # A shared depth stays unbatched, so the backward pass runs unscheduled (no waste).
         steps = steps if per_sample else steps[0]
         outs = (carry, ys, steps, stats)
@@ -707,8 +751,8 @@ def _make_fwd(prob: Problem, store: bool, plan: ResidualPlan | None = None):
 
 def _make_bwd(prob: Problem, plan: ResidualPlan | None = None):
     def unbatched(consts, xs, kd, res, steps, ct_carry, ct_ys):
-        if plan is not None:
-            return backward_residuals(prob, plan, consts, xs, kd, res, steps, ct_carry, ct_ys)
+        if not prob.thinning:
+            return backward_single(prob, plan, consts, xs, kd, res, steps, ct_carry, ct_ys)
         c_axes = [None] * len(consts)
         buf, stride, _ = res
         acc, ct, ct_xs = backward_batched(
@@ -729,9 +773,9 @@ def _make_bwd(prob: Problem, plan: ResidualPlan | None = None):
     @bwd.def_vmap
     def bwd_rule(axis_size, in_batched, consts, xs, kd, res, steps, ct_carry, ct_ys):
         cb, xb, kb, rb, sb, ctb, ctyb = in_batched
-        if plan is not None and not any(rb[0]):
-            # The forward pass ran unbatched (stored residuals) and only the cotangents are
-            # batched, as in jacrev: one residual sweep per cotangent.
+        if not prob.thinning and not any(rb[0]):
+            # The forward pass ran unbatched and only the cotangents are batched, as in
+            # jacrev: one unbatched backward sweep per cotangent.
             args = (consts, xs, kd, res, steps, ct_carry, ct_ys)
             out = jax.vmap(unbatched, in_axes=tuple(_axes_tree(b) for b in in_batched))(*args)
             return out, jax.tree_util.tree_map(lambda _: True, out)
@@ -746,22 +790,34 @@ def _make_bwd(prob: Problem, plan: ResidualPlan | None = None):
         ct_carry = _batch(ct_carry, ctb, B)
         ct_ys = _batch(ct_ys, ctyb, B)
         c_axes = _axes(cb)
-        args = (prob, consts, c_axes, xs, kd, (buf, stride), steps, ct_carry, ct_ys)
-        # Under vmap every sample's cotangent of a shared const is its own (vmap of grad and
-        # jacrev need them apart; under grad of vmap JAX sums them afterwards).
-        if prob.schedule and sb and B > 1 and not prob.thinning:
-            from . import _schedule
 
-            acc, ct, ct_xs = _schedule.run_with_slots(
-                _schedule.backward_scheduled,
-                steps,
-                prob.sched_slots,
-                _schedule.slot_candidates(B),
-                *args,
-                per_row=True,
-            )
+        def run(consts, xs, kd, buf, stride, steps, ct_carry, ct_ys):
+            B = steps.shape[0]
+            args = (prob, consts, c_axes, xs, kd, (buf, stride), steps, ct_carry, ct_ys)
+            # Under vmap every sample's cotangent of a shared const is its own (vmap of grad
+            # and jacrev need them apart; under grad of vmap JAX sums them afterwards).
+            if prob.schedule and sb and B > 1 and not prob.thinning:
+                from . import _schedule
+
+                return _schedule.run_with_slots(
+                    _schedule.backward_scheduled,
+                    steps,
+                    prob.sched_slots,
+                    _schedule.slot_candidates(B),
+                    *args,
+                    per_row=True,
+                )
+            return backward_batched(*args, per_row=True)
+
+        args = (consts, xs, kd, buf, stride, steps, ct_carry, ct_ys)
+        mesh, axes = _vma.batch_mesh((steps, buf, ct_carry))
+        if mesh is None:
+            acc, ct, ct_xs = run(*args)
         else:
-            acc, ct, ct_xs = backward_batched(*args, per_row=True)
+            # Under plain jit with the batch sharded over Explicit mesh axes: one loop per device.
+            in_b = (cb, [True] * len(xs), kd is not None, [True] * len(buf), True, True,
+                    [True] * len(ct_carry), [True] * len(ct_ys))  # fmt: skip
+            acc, ct, ct_xs = _vma.per_device(run, mesh, axes, args, in_b)
         return (acc, ct, ct_xs), ([True] * len(acc), [True] * len(ct), [True] * len(ct_xs))
 
     return bwd
@@ -790,6 +846,10 @@ def run_checkpointed(prob: Problem, consts, cconsts, init, xs, n, kd):
         return (carry, ys, steps, stats), (consts, xs, kd, res, steps)
 
     def loop_bwd(saved, cts):
+        with _vma.mesh_context((saved, cts)):
+            return _loop_bwd(saved, cts)
+
+    def _loop_bwd(saved, cts):
         consts, xs, kd, res, steps = saved
         ct_carry, ct_ys = cts[:2]
         ct_carry = take(_instantiate(ct_carry, prob.carry_avals), cmask)
@@ -817,23 +877,33 @@ def run_batch(prob: Problem, consts, init, n, kd):
 
     B = n.shape[0]
     c_axes = [None] * len(consts)
-    cands = _schedule.slot_candidates(B)
     cmask = prob.carry_mask
     kmask = [is_diff(c) for c in consts]
 
     def fwd_impl(consts, init, n, kd, store):
-        args = (prob, consts, c_axes, [], [], init, [], n, kd)
-        if B > 1:
-            return _schedule.run_with_slots(
-                _schedule.forward_scheduled,
-                n,
-                prob.sched_slots,
-                cands,
-                *args,
-                store=store,
-                by_length=True,
-            )
-        return forward_batched(*args, store=store)
+        def run(consts, init, n, kd):
+            args = (prob, consts, c_axes, [], [], init, [], n, kd)
+            if n.shape[0] > 1:
+                return _schedule.run_with_slots(
+                    _schedule.forward_scheduled,
+                    n,
+                    prob.sched_slots,
+                    _schedule.slot_candidates(n.shape[0]),
+                    *args,
+                    store=store,
+                    by_length=True,
+                )
+            return forward_batched(*args, store=store)
+
+        mesh, axes = _vma.batch_mesh((n, init))
+        if mesh is None:
+            return run(consts, init, n, kd)
+        # Under plain jit with the batch sharded over Explicit mesh axes: one loop per device.
+        in_b = ([False] * len(consts), [True] * len(init), True, True)
+        carry, ys, steps, res, stats = _vma.per_device(
+            run, mesh, axes, (consts, init, n, kd), in_b, 1
+        )
+        return carry, ys, steps, res, merge_stats(stats)
 
     @jax.custom_vjp
     def loop(consts, init, n, kd):
@@ -848,15 +918,37 @@ def run_batch(prob: Problem, consts, init, n, kd):
         return (carry, ys, steps, stats), (consts, kd, res, steps)
 
     def loop_bwd(saved, cts):
+        with _vma.mesh_context((saved, cts)):
+            return _loop_bwd(saved, cts)
+
+    def _loop_bwd(saved, cts):
         consts, kd, res, steps = saved
         ct_carry = take(_instantiate(cts[0], prob.carry_avals, lead=(B,)), cmask)
-        args = (prob, consts, c_axes, [], kd, res, steps, ct_carry, [])
-        if B > 1 and not prob.thinning:
-            acc, ct, _ = _schedule.run_with_slots(
-                _schedule.backward_scheduled, steps, prob.sched_slots, cands, *args
-            )
+
+        def run(consts, kd, buf, stride, steps, ct_carry):
+            args = (prob, consts, c_axes, [], kd, (buf, stride), steps, ct_carry, [])
+            if steps.shape[0] > 1 and not prob.thinning:
+                acc, ct, _ = _schedule.run_with_slots(
+                    _schedule.backward_scheduled,
+                    steps,
+                    prob.sched_slots,
+                    _schedule.slot_candidates(steps.shape[0]),
+                    *args,
+                )
+            else:
+                acc, ct, _ = backward_batched(*args)
+            return ct, acc
+
+        args = (consts, kd, res[0], res[1], steps, ct_carry)
+        mesh, axes = _vma.batch_mesh((steps, res[0], ct_carry))
+        if mesh is None:
+            ct, acc = run(*args)
         else:
-            acc, ct, _ = backward_batched(*args)
+            # One loop per device; the shared parameters' gradients are summed afterwards.
+            in_b = ([False] * len(consts), True, [True] * len(res[0]), True, True,
+                    [True] * len(ct_carry))  # fmt: skip
+            ct, acc = _vma.per_device(run, mesh, axes, args, in_b, 1)
+            acc = [a.sum(0) for a in acc]
         g_consts = merge(acc, [None] * (len(consts) - len(acc)), kmask)
         g_init = merge(ct, [None] * (len(cmask) - sum(cmask)), cmask)
         return _vma.unvary_to(g_consts, vmas["k"]), _vma.unvary_to(g_init, vmas["c"]), None, None
@@ -867,7 +959,7 @@ def run_batch(prob: Problem, consts, init, n, kd):
 
 def _instantiate(cts, avals, lead=()):
     return [
-        jnp.zeros(lead + a.shape, a.dtype) if (c is None or _is_float0(c)) else c
+        _vma.zeros(lead, a) if (c is None or _is_float0(c)) else c
         for c, a in zip(cts, avals, strict=True)
     ]
 
@@ -1011,7 +1103,7 @@ def _batched_guard_rule(axis_size, in_batched, tangents):
 def run_masked(prob: Problem, consts, cconsts, init, xs, n, kd):
     """The seed's method: ``lax.scan`` over all ``max_steps`` with ``lax.cond``."""
     T = prob.max_steps
-    zeros_y = [jnp.zeros(a.shape, a.dtype) for a in prob.y_avals]
+    zeros_y = [_vma.zeros((), a) for a in prob.y_avals]
 
     def body(state, i):
         carry, alive, steps = state

@@ -7,6 +7,7 @@ and in the stop rule.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -112,9 +113,18 @@ def _build(
     elif batch:
         kd = jnp.zeros(n.shape, jnp.uint32)
 
+    # Under jit, arrays placed on a mesh with Explicit axes are typed with its shardings: the
+    # step is then traced with those types (its own reshards included), and the loop's
+    # buffers take them (see below).
+    typed = not _vma.manual_axes() and _vma.mesh_typed((init, xs))
+
     def sample_aval(a):
+        if typed:
+            return _vma.typed_aval(a, drop_lead=batch)
         return jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)) if batch else _aval(a)
 
+    if typed:
+        x_example = jax.tree_util.tree_map(lambda a: _vma.typed_aval(a, drop_lead=True), xs)
     init_example = jax.tree_util.tree_map(sample_aval, init)
     stacked_leaves, stacked_tree = jax.tree_util.tree_flatten(stacked)
     S = len(stacked_leaves)
@@ -181,17 +191,37 @@ def _build(
         inner=inner if S else None,
     )
     consts = list(stacked_leaves) + list(consts)
+    if not _vma.manual_axes() and _vma.mesh_typed((consts, cconsts, carry_leaves, xs_leaves, kd)):
+        # Under jit with Explicit mesh axes the loop's buffers take the types (shardings) of
+        # the values written into them: the carry's, and the step outputs' as traced here.
+        carry_t = tuple(_vma.typed_aval(a, drop_lead=batch) for a in carry_leaves)
+        y_t = prob.y_avals
+        if not batch and prob.y_avals:
+            key0 = None if keys is None else keys.key_at(kd, jnp.zeros((), jnp.int32))
+            y_t = tuple(
+                jax.eval_shape(
+                    lambda c, cl, xl: step(c, cl, [a[0] for a in xl], key0)[1],
+                    consts,
+                    list(carry_t),
+                    xs_leaves,
+                )
+            )
+        prob = dataclasses.replace(prob, carry_avals=carry_t, y_avals=y_t)
     if length == 0:
         lead = n.shape if batch else ()
         ys = [jnp.zeros(lead + (0,) + a.shape, a.dtype) for a in prob.y_avals]
         carry_out, steps = carry_leaves, jnp.zeros(lead, jnp.int32)
         stats = jnp.zeros((2,), jnp.int32)
-    elif batch:
-        carry_out, ys, steps, stats = run_batch(prob, consts, carry_leaves, n, kd)
     else:
-        carry_out, ys, steps, stats = STRATEGY_FNS[strategy](
-            prob, consts, cconsts, carry_leaves, xs_leaves, n, kd
-        )
+        # Under jit, arrays placed on a mesh with Explicit axes are typed with it: the loop's
+        # own buffers are then created under that mesh too (as under jax.set_mesh).
+        with _vma.mesh_context((consts, cconsts, carry_leaves, xs_leaves, kd)):
+            if batch:
+                carry_out, ys, steps, stats = run_batch(prob, consts, carry_leaves, n, kd)
+            else:
+                carry_out, ys, steps, stats = STRATEGY_FNS[strategy](
+                    prob, consts, cconsts, carry_leaves, xs_leaves, n, kd
+                )
     return (
         jax.tree_util.tree_unflatten(carry_tree, list(carry_out)),
         jax.tree_util.tree_unflatten(y_tree, list(ys)),
@@ -263,6 +293,9 @@ def repeat(
       until its deepest sample is done, masking finished samples (``B * max(depth)`` sample
       steps); ``"auto"`` schedules samples into slots (about ``sum(depth)``). Parameters shared
       by the batch are never broadcast, and their gradient is summed inside the backward loop.
+      Under ``jit`` with the vmapped batch sharded over ``Explicit`` mesh axes, ``"auto"`` and
+      ``"checkpointed"`` run one loop per device on its shard, inside a ``jax.shard_map`` they
+      enter themselves (README, "Scaling out").
     - ``checkpoints``: ``None`` stores something for every step. Unbatched (outside ``vmap``
       and ``shard_map``), the step's *residuals*, the values its vjp needs, as ``lax.scan``
       stores them, except that parameters the step closes over (and, in ``dyndepth.nn``, the
@@ -554,7 +587,9 @@ def repeat_batched(
     - ``checkpoints``: as :func:`repeat`.
     - ``checked``: as :func:`repeat`.
     - ``return_stats``: also return a dict of int32 values: ``iterations`` (loop iterations of
-      the forward pass; inside ``shard_map``, this device's),
+      the forward pass; inside ``shard_map``, this device's; under plain ``jit`` with the
+      batch sharded over ``Explicit`` mesh axes, the longest device's loop and the sum over
+      the devices of the executed sample-steps),
       ``executed_sample_steps`` (``slots x iterations``),
       ``useful_sample_steps`` (``sum(depths)``), and ``per_device_executed_sample_steps`` /
       ``per_device_useful_sample_steps`` (shape ``(1,)``: this device's figures, so that a

@@ -152,11 +152,11 @@ def forward_scheduled(
         iters=jnp.zeros((), jnp.int32),
         out=list(init),
         steps=jnp.zeros((B,), jnp.int32),
-        ys=[jnp.zeros((B, T) + a.shape, a.dtype) for a in prob.y_avals],
+        ys=[_vma.zeros((B, T), a) for a in prob.y_avals],
     )
     if store:
         K = prob.slots
-        buf = [jnp.zeros((B, K) + a.shape, a.dtype) for a in prob.carry_avals]
+        buf = [_vma.zeros((B, K), a) for a in prob.carry_avals]
         state["buf"] = [b.at[:, 0].set(c) for b, c in zip(buf, init, strict=True)]
         state["count"] = jnp.zeros((B,), jnp.int32)
         state["stride"] = jnp.ones((B,), jnp.int32)

@@ -9,6 +9,11 @@ over all manual axes of the current mesh, going in and coming out, so the loops 
 
 Outside ``shard_map`` there are no manual axes and every wrapper is the plain ``lax`` function.
 A per-device loop is what we want there anyway: each device schedules its own shard.
+
+Under plain ``jit`` with mesh axes of type ``Explicit``, arrays are typed with their shardings.
+:func:`per_device` runs a batched loop inside a ``shard_map`` of its own when its batch is
+sharded that way, :func:`mesh_context` and :func:`zeros` give dyndepth's own buffers the types
+of the values written into them.
 """
 
 from __future__ import annotations
@@ -179,6 +184,8 @@ def eval_jaxpr(jaxpr: Any, consts: list, *args: Any) -> list:
         return jax.core.eval_jaxpr(jaxpr, consts, *args)
     from jax.extend.core import Literal
 
+    mesh = jax.sharding.get_abstract_mesh()
+
     env: dict = {}
 
     def read(v):
@@ -200,8 +207,15 @@ def eval_jaxpr(jaxpr: Any, consts: list, *args: Any) -> list:
                     invals = [vary(x, tuple(sorted(frozenset().union(*vmas)))) for x in invals]
             bind = eqn.primitive.get_bind_params(eqn.params)
             subfuns, bind = bind if isinstance(bind, tuple) else ((), bind)
-            ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
-            with ctx if ctx is not None else contextlib.nullcontext():
+            ctx = getattr(eqn, "ctx", None)
+            # The traced equation's context, except when it was traced under another mesh (a
+            # step traced outside shard_map and run inside it): entering it would record that
+            # mesh, and lowering the primitive under it fails for varying values.
+            if ctx is not None and getattr(ctx, "cur_abstract_mesh", None) == mesh:
+                ctx = ctx.manager
+            else:
+                ctx = contextlib.nullcontext()
+            with ctx:
                 outs = eqn.primitive.bind(*subfuns, *invals, **bind)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
@@ -302,3 +316,113 @@ def switch(index: Any, branches: list[Callable], *operands: Any) -> Any:
     return lax.switch(
         index, [lambda *a, b=b: vary(b(*a), axes) for b in branches], *vary(operands, axes)
     )
+
+
+def type_mesh(leaves: Any) -> Any:
+    """The (abstract) mesh that some leaf's type carries, or None: under ``jit``, an array placed
+    with a ``NamedSharding`` on a mesh with ``Explicit`` axes is typed with that mesh."""
+    for x in jax.tree_util.tree_leaves(leaves):
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty:
+            return mesh
+    return None
+
+
+def zeros(lead: tuple[int, ...], aval: Any) -> Any:
+    """``jnp.zeros(lead + aval.shape, aval.dtype)``, typed like ``aval`` on its trailing axes
+    (the ``lead`` axes unsharded) when ``aval`` carries a ``NamedSharding`` on a mesh, outside
+    ``shard_map``: a buffer that values of type ``aval`` can be written into under ``jit`` with
+    Explicit mesh axes. Plain zeros otherwise."""
+    shape = tuple(lead) + tuple(aval.shape)
+    sharding = getattr(aval, "sharding", None)
+    if (
+        isinstance(sharding, jax.sharding.NamedSharding)
+        and not sharding.mesh.empty
+        and not manual_axes()
+    ):
+        spec = tuple(sharding.spec) + (None,) * (len(aval.shape) - len(sharding.spec))
+        target = jax.sharding.NamedSharding(
+            sharding.mesh, jax.sharding.PartitionSpec(*([None] * len(lead)), *spec)
+        )
+        return jax.numpy.zeros(shape, aval.dtype, out_sharding=target)
+    return jax.numpy.zeros(shape, aval.dtype)
+
+
+def typed_aval(x: Any, drop_lead: bool = False) -> Any:
+    """``x``'s shape, dtype and, for an array typed with a mesh, its sharding; with
+    ``drop_lead``, of one entry along the leading axis."""
+    t = jax.typeof(x)
+    shape = t.shape[1:] if drop_lead else t.shape
+    sharding = getattr(t, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding) and not sharding.mesh.empty:
+        if drop_lead:
+            sharding = sharding.update(spec=tuple(sharding.spec)[1:])
+        return jax.ShapeDtypeStruct(shape, t.dtype, sharding=sharding)
+    return jax.ShapeDtypeStruct(shape, t.dtype)
+
+
+def mesh_typed(leaves: Any) -> bool:
+    return type_mesh(leaves) is not None
+
+
+@contextlib.contextmanager
+def mesh_context(leaves: Any):
+    """Make the mesh that the leaves' types carry the context mesh, when none is set, for the
+    duration: arrays dyndepth creates (``jnp.zeros`` buffers) then have the same type as the
+    values written into them, as under ``jax.set_mesh``."""
+    mesh = type_mesh(leaves) if jax.sharding.get_abstract_mesh().empty else None
+    if mesh is None:
+        yield
+    else:
+        with jax.sharding.use_abstract_mesh(mesh):
+            yield
+
+
+def batch_mesh(leaves: Any) -> tuple[Any, tuple[str, ...]]:
+    """:func:`explicit_batch_axes` of the first leaf of ``leaves`` whose leading axis is
+    sharded over ``Explicit`` mesh axes; ``(None, ())`` if none is."""
+    for x in jax.tree_util.tree_leaves(leaves):
+        mesh, axes = explicit_batch_axes(x)
+        if mesh is not None:
+            return mesh, axes
+    return None, ()
+
+
+def per_device(fn: Callable, mesh: Any, axes: tuple[str, ...], args: tuple, in_batched: Any,
+               n_stacked: int = 0) -> tuple:  # fmt: skip
+    """Run ``fn(*args)`` once per device under ``jax.shard_map``, each device on its own slice
+    of the batch: under plain ``jit``, a batch sharded over ``Explicit`` mesh axes gets the
+    per-device loops that ``shard_map`` gives (no gather of the batch, no collective inside a
+    loop) instead of one global loop.
+
+    ``in_batched`` (a pytree of bools shaped like ``args``) marks the leaves with a leading
+    batch axis, split over ``axes``; the others are replicated. ``fn`` returns a tuple whose
+    last ``n_stacked`` entries are per-device values, returned stacked on a new leading device
+    axis for the caller to reduce (once, after the loops); every other output has a leading
+    batch axis and stays split.
+    """
+    spec = jax.sharding.PartitionSpec(axes if len(axes) > 1 else axes[0])
+    rep = jax.sharding.PartitionSpec()
+    in_specs = jax.tree_util.tree_map(lambda b: spec if b else rep, in_batched)
+
+    def placed(a, want):
+        # shard_map takes Explicit-typed inputs only as typed: a batch leaf broadcast inside
+        # dyndepth (replicated) is split, locally, and a parameter sharded some other way is
+        # gathered, as replicated parameters are.
+        target = jax.sharding.PartitionSpec(*want, *([None] * (jax.numpy.ndim(a) - len(want))))
+        have = getattr(jax.typeof(a), "sharding", None)
+        if have is not None and not have.mesh.empty and tuple(have.spec) == tuple(target):
+            return a
+        return jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, target))
+
+    args = jax.tree_util.tree_map(placed, args, in_specs)
+
+    def local(*a):
+        out = fn(*a)
+        keep, stacked = out[: len(out) - n_stacked], out[len(out) - n_stacked :]
+        stacked = jax.tree_util.tree_map(lambda s: jax.numpy.expand_dims(s, 0), stacked)
+        return tuple(keep) + tuple(stacked)
+
+    out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=spec,
+                        axis_names=set(axes))(*args)  # fmt: skip
+    return tuple(out)

@@ -358,14 +358,16 @@ def layer_drop(
         run = jnp.any(keep, axis=1)
     count = jnp.sum(run.astype(jnp.int32))
     idx = jnp.nonzero(run, size=L, fill_value=0)[0]
-    xs = (idx, rates[idx], None if mode == "batch" else keep[idx])
+    # The layer's parameters, rate and row decisions are all sliced at the layer index by the
+    # loop: under vmap with per-sample keys only the running slots' slices are gathered, never
+    # a copy of the stack; unbatched, the backward pass references the slice instead of
+    # storing it; and no gather with per-sample indices happens outside the loop (it would
+    # need an output sharding when the batch is sharded over Explicit mesh axes).
+    per_layer = (stacked_params, rates, None if mode == "batch" else keep)
 
-    def step(x, xs_l, p):
-        # ``p``, the layer's parameters, is sliced from the shared stack by the loop: under vmap
-        # with per-sample keys only the running slots' parameters are gathered, never a copy of
-        # the stack; unbatched, the backward pass references the slice instead of storing it.
-        _, r, rows = xs_l
-        y = layer_fn(p, x)
+    def step(x, _, p):
+        params_l, r, rows = p
+        y = layer_fn(params_l, x)
         if scale:
             y = x + _scaled(y - x, r)
         if rows is not None:
@@ -373,5 +375,5 @@ def layer_drop(
         return y
 
     return scan_stacked(
-        step, x, xs, stacked_params, depth=count, strategy=strategy, checkpoints=checkpoints
+        step, x, (idx,), per_layer, depth=count, strategy=strategy, checkpoints=checkpoints
     )

@@ -217,6 +217,8 @@ KEYED_SCRIPT = textwrap.dedent(
         "scan": lambda W, x: dyndepth.scan(
             lambda c, t: (c + jnp.tanh(c @ W) * t, jnp.sum(c, -1)), x,
             jnp.linspace(0.0, 1.0, M), depth=7)[1],
+        "scan_length_0": lambda W, x: dyndepth.scan(
+            lambda c, t: (c @ W * t, jnp.sum(c, -1)), x, jnp.zeros((0,)), depth=0)[0] @ W,
         "layer_drop": lambda W, x: dnn.layer_drop(
             lambda p, h: h + jnp.tanh(h @ p), jnp.stack([W, W.T, -W]), x, keys[0], 0.5),
     }

@@ -196,7 +196,7 @@ def _build(
         # the values written into them: the carry's, and the step outputs' as traced here.
         carry_t = tuple(_vma.typed_aval(a, drop_lead=batch) for a in carry_leaves)
         y_t = prob.y_avals
-        if not batch and prob.y_avals:
+        if not batch and prob.y_avals and length > 0:
             key0 = None if keys is None else keys.key_at(kd, jnp.zeros((), jnp.int32))
             y_t = tuple(
                 jax.eval_shape(

@@ -429,9 +429,9 @@ class ResidualPlan:
     stored: tuple[jax.ShapeDtypeStruct, ...]
 
 
-def step_consts(prob: Problem, consts: Leaves, x: Leaves) -> Leaves:
-    """The consts one step sees: the stacked ones sliced at the step's layer index."""
-    S = prob.stacked
+def step_consts(S: int, consts: Leaves, x: Leaves) -> Leaves:
+    """The consts one step sees: the first ``S`` (stacked) sliced at the step's layer index
+    ``x[0]`` (see ``Problem.stacked``)."""
     if not S:
         return list(consts)
     i = x[0]
@@ -465,15 +465,14 @@ def _nbytes(avals) -> int:
 
 def residual_plan(prob: Problem, consts, init, xs, kd) -> ResidualPlan | None:
     """Plan the stored-residual path for an unbatched loop, or ``None`` where it does not apply
-    (checkpoint thinning, inside ``shard_map``, values typed with a mesh, or residuals over the
-    budget)."""
+    (checkpoint thinning, inside ``shard_map``, or residuals over the budget)."""
     if prob.thinning or _vma.manual_axes():
         return None
     found = {}
 
     def trace(consts, carry, x, kd):
         key = None if prob.keys is None else prob.keys.key_at(kd, jnp.zeros((), jnp.int32))
-        cs = step_consts(prob, consts, x)
+        cs = step_consts(prob.stacked, consts, x)
         _, pullback = _step_vjp(prob, cs, carry, x, key)
         leaves, treedef = jax.tree_util.tree_flatten(pullback)
         named = [("k", m, c) for m, c in enumerate(cs)] + [("c", m, c) for m, c in enumerate(carry)]
@@ -543,7 +542,8 @@ def forward_single(prob: Problem, plan: ResidualPlan | None, consts, cconsts, in
             if store:
                 s["buf"] = put(s["buf"], i, carry)
         else:
-            (new_c, y), pullback = _step_vjp(prob, step_consts(prob, consts, x), carry, x, key)
+            cs = step_consts(prob.stacked, consts, x)
+            (new_c, y), pullback = _step_vjp(prob, cs, carry, x, key)
             leaves = jax.tree_util.tree_leaves(pullback)
             stored = [lf for lf, src in zip(leaves, plan.sources, strict=True) if src[0] == "s"]
             s["buf"] = put(s["buf"], i, carry)
@@ -590,7 +590,7 @@ def backward_single(prob: Problem, plan: ResidualPlan | None, consts, xs, kd, re
     def body(s):
         j = s["j"]
         x = [lax.dynamic_index_in_dim(a, j, 0, keepdims=False) for a in xs]
-        cs = step_consts(prob, consts, x)
+        cs = step_consts(prob.stacked, consts, x)
         at = lambda b: lax.dynamic_index_in_dim(b, j, 0, keepdims=False)  # noqa: E731
         key = None if prob.keys is None else prob.keys.key_at(kd, j)
         if plan is None:
@@ -643,10 +643,7 @@ def _batch(leaves, batched, B):
 
 
 def _axes(batched):
-    return [0 if b else None for b in batched]
-
-
-def _axes_tree(batched):
+    """vmap axes (0 or None) for a pytree of batched flags."""
     return jax.tree_util.tree_map(lambda b: 0 if b else None, batched)
 
 
@@ -726,15 +723,11 @@ def _make_fwd(prob: Problem, store: bool, plan: ResidualPlan | None = None):
                 )
             return forward_batched(*args, store=store)
 
-        args = (consts, cconsts, init, xs, n, kd)
-        mesh, axes = _vma.batch_mesh((n, init, xs))
-        if mesh is None:
-            carry, ys, steps, res, stats = run(*args)
-        else:
-            # Under plain jit with the batch sharded over Explicit mesh axes: one loop per device.
-            in_b = (cb, ccb, [True] * len(init), [True] * len(xs), True, kd is not None)
-            carry, ys, steps, res, stats = _vma.per_device(run, mesh, axes, args, in_b, 1)
-            stats = merge_stats(stats)
+        # Under plain jit with the batch sharded over Explicit mesh axes: one loop per device.
+        in_b = (cb, ccb, [True] * len(init), [True] * len(xs), True, kd is not None)
+        carry, ys, steps, res, stats = _vma.per_device(
+            run, (consts, cconsts, init, xs, n, kd), in_b, (n, init, xs), (merge_stats,)
+        )
         # A shared depth stays unbatched, so the backward pass runs unscheduled (no waste).
         steps = steps if per_sample else steps[0]
         outs = (carry, ys, steps, stats)
@@ -777,7 +770,7 @@ def _make_bwd(prob: Problem, plan: ResidualPlan | None = None):
             # The forward pass ran unbatched and only the cotangents are batched, as in
             # jacrev: one unbatched backward sweep per cotangent.
             args = (consts, xs, kd, res, steps, ct_carry, ct_ys)
-            out = jax.vmap(unbatched, in_axes=tuple(_axes_tree(b) for b in in_batched))(*args)
+            out = jax.vmap(unbatched, in_axes=tuple(_axes(b) for b in in_batched))(*args)
             return out, jax.tree_util.tree_map(lambda _: True, out)
         B = axis_size
         xs = _batch(xs, xb, B)
@@ -809,15 +802,11 @@ def _make_bwd(prob: Problem, plan: ResidualPlan | None = None):
                 )
             return backward_batched(*args, per_row=True)
 
+        # Under plain jit with the batch sharded over Explicit mesh axes: one loop per device.
         args = (consts, xs, kd, buf, stride, steps, ct_carry, ct_ys)
-        mesh, axes = _vma.batch_mesh((steps, buf, ct_carry))
-        if mesh is None:
-            acc, ct, ct_xs = run(*args)
-        else:
-            # Under plain jit with the batch sharded over Explicit mesh axes: one loop per device.
-            in_b = (cb, [True] * len(xs), kd is not None, [True] * len(buf), True, True,
-                    [True] * len(ct_carry), [True] * len(ct_ys))  # fmt: skip
-            acc, ct, ct_xs = _vma.per_device(run, mesh, axes, args, in_b)
+        in_b = (cb, [True] * len(xs), kd is not None, [True] * len(buf), True, True,
+                [True] * len(ct_carry), [True] * len(ct_ys))  # fmt: skip
+        acc, ct, ct_xs = _vma.per_device(run, args, in_b, (steps, buf, ct_carry))
         return (acc, ct, ct_xs), ([True] * len(acc), [True] * len(ct), [True] * len(ct_xs))
 
     return bwd
@@ -895,15 +884,9 @@ def run_batch(prob: Problem, consts, init, n, kd):
                 )
             return forward_batched(*args, store=store)
 
-        mesh, axes = _vma.batch_mesh((n, init))
-        if mesh is None:
-            return run(consts, init, n, kd)
         # Under plain jit with the batch sharded over Explicit mesh axes: one loop per device.
         in_b = ([False] * len(consts), [True] * len(init), True, True)
-        carry, ys, steps, res, stats = _vma.per_device(
-            run, mesh, axes, (consts, init, n, kd), in_b, 1
-        )
-        return carry, ys, steps, res, merge_stats(stats)
+        return _vma.per_device(run, (consts, init, n, kd), in_b, (n, init), (merge_stats,))
 
     @jax.custom_vjp
     def loop(consts, init, n, kd):
@@ -939,16 +922,14 @@ def run_batch(prob: Problem, consts, init, n, kd):
                 acc, ct, _ = backward_batched(*args)
             return ct, acc
 
+        # One loop per device under a batch sharded over Explicit mesh axes; the shared
+        # parameters' gradients are summed over the devices afterwards.
         args = (consts, kd, res[0], res[1], steps, ct_carry)
-        mesh, axes = _vma.batch_mesh((steps, res[0], ct_carry))
-        if mesh is None:
-            ct, acc = run(*args)
-        else:
-            # One loop per device; the shared parameters' gradients are summed afterwards.
-            in_b = ([False] * len(consts), True, [True] * len(res[0]), True, True,
-                    [True] * len(ct_carry))  # fmt: skip
-            ct, acc = _vma.per_device(run, mesh, axes, args, in_b, 1)
-            acc = [a.sum(0) for a in acc]
+        in_b = ([False] * len(consts), True, [True] * len(res[0]), True, True,
+                [True] * len(ct_carry))  # fmt: skip
+        ct, acc = _vma.per_device(
+            run, args, in_b, (steps, res[0], ct_carry), (lambda acc: [a.sum(0) for a in acc],)
+        )
         g_consts = merge(acc, [None] * (len(consts) - len(acc)), kmask)
         g_init = merge(ct, [None] * (len(cmask) - sum(cmask)), cmask)
         return _vma.unvary_to(g_consts, vmas["k"]), _vma.unvary_to(g_init, vmas["c"]), None, None

@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 
 from . import _checks, _vma
-from ._engine import STRATEGY_FNS, Problem, run_batch
+from ._engine import STRATEGY_FNS, Problem, run_batch, step_consts
 from ._keys import KeySchedule, check_key
 
 __all__ = ["repeat", "repeat_batched", "scan", "while_loop"]
@@ -155,11 +155,7 @@ def _build(
         return new_leaves, jax.tree_util.tree_leaves(y)
 
     def step(consts, c_leaves, x_leaves, k):
-        if S:
-            i = x_leaves[0]
-            sliced = [lax.dynamic_index_in_dim(c, i, 0, keepdims=False) for c in consts[:S]]
-            consts = sliced + list(consts[S:])
-        return inner(consts, c_leaves, x_leaves, k)
+        return inner(step_consts(S, consts, x_leaves), c_leaves, x_leaves, k)
 
     cond = None
     cconsts: list[Any] = []

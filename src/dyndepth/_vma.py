@@ -388,19 +388,24 @@ def batch_mesh(leaves: Any) -> tuple[Any, tuple[str, ...]]:
     return None, ()
 
 
-def per_device(fn: Callable, mesh: Any, axes: tuple[str, ...], args: tuple, in_batched: Any,
-               n_stacked: int = 0) -> tuple:  # fmt: skip
-    """Run ``fn(*args)`` once per device under ``jax.shard_map``, each device on its own slice
-    of the batch: under plain ``jit``, a batch sharded over ``Explicit`` mesh axes gets the
-    per-device loops that ``shard_map`` gives (no gather of the batch, no collective inside a
-    loop) instead of one global loop.
+def per_device(fn: Callable, args: tuple, in_batched: Any, probe: Any,
+               merges: tuple[Callable, ...] = ()) -> tuple:  # fmt: skip
+    """``fn(*args)``, run once per device under ``jax.shard_map`` when the leading (batch) axis
+    of a leaf of ``probe`` is sharded over ``Explicit`` mesh axes (:func:`batch_mesh`): each
+    device then runs ``fn`` on its own slice of the batch, as under ``shard_map`` (no gather of
+    the batch, no collective inside a loop), instead of one global loop. Otherwise, simply
+    ``fn(*args)``.
 
     ``in_batched`` (a pytree of bools shaped like ``args``) marks the leaves with a leading
-    batch axis, split over ``axes``; the others are replicated. ``fn`` returns a tuple whose
-    last ``n_stacked`` entries are per-device values, returned stacked on a new leading device
-    axis for the caller to reduce (once, after the loops); every other output has a leading
-    batch axis and stays split.
+    batch axis, split over the mesh axes; the others are replicated. ``fn`` returns a tuple;
+    its last ``len(merges)`` entries are per-device values, which, per device, come back
+    stacked on a new leading device axis and go through the matching ``merges`` function (once,
+    after the loops); every other output has a leading batch axis and stays split.
     """
+    mesh, axes = batch_mesh(probe)
+    if mesh is None:
+        return tuple(fn(*args))
+    n_merged = len(merges)
     spec = jax.sharding.PartitionSpec(axes if len(axes) > 1 else axes[0])
     rep = jax.sharding.PartitionSpec()
     in_specs = jax.tree_util.tree_map(lambda b: spec if b else rep, in_batched)
@@ -418,11 +423,12 @@ def per_device(fn: Callable, mesh: Any, axes: tuple[str, ...], args: tuple, in_b
     args = jax.tree_util.tree_map(placed, args, in_specs)
 
     def local(*a):
-        out = fn(*a)
-        keep, stacked = out[: len(out) - n_stacked], out[len(out) - n_stacked :]
+        out = tuple(fn(*a))
+        keep, stacked = out[: len(out) - n_merged], out[len(out) - n_merged :]
         stacked = jax.tree_util.tree_map(lambda s: jax.numpy.expand_dims(s, 0), stacked)
-        return tuple(keep) + tuple(stacked)
+        return keep + tuple(stacked)
 
     out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=spec,
                         axis_names=set(axes))(*args)  # fmt: skip
-    return tuple(out)
+    keep = tuple(out[: len(out) - n_merged])
+    return keep + tuple(m(v) for m, v in zip(merges, out[len(out) - n_merged :], strict=True))

@@ -310,9 +310,9 @@ def layer_drop(
       ``vmap`` with per-sample keys, or when a layer's residuals exceed 4x the size of ``x``,
       they store one activation per kept layer and recompute each kept layer once.
       ``"masked"`` (scan + cond over all ``L`` layers) supports forward mode too, and skips
-      dropped layers when the decisions are unbatched, but its
-      reverse mode adds a gradient the size of the whole stack at every layer (slow for large
-      stacks); ``"while"`` is forward mode only.
+      dropped layers when the decisions are unbatched, but its reverse mode adds a gradient
+      the size of the whole stack at every layer (slow for large stacks); ``"while"`` is
+      forward mode only.
 
     **Returns:** an array of the shape and dtype of ``x``.
 

@@ -656,11 +656,12 @@ def _steps_batched(prob: Problem, n_batched: bool) -> bool:
     return bool(n_batched) or prob.cond is not None
 
 
-def _make_fwd(prob: Problem, store: bool, plan: ResidualPlan | None = None):
+def _make_fwd(prob: Problem, store: bool, plan: ResidualPlan | None = None, seen=None):
     """The forward loop as a custom_vmap function of unbatched arguments.
 
     Returns ``(carry, ys, steps, stats)`` (+ residuals ``(buf, stride, ext)`` with ``store``;
-    ``ext``, the stored-residual buffers of ``plan``, is filled by an unbatched call only)."""
+    ``ext``, the stored-residual buffers of ``plan``, is filled by an unbatched call only: a
+    batched call records ``seen["batched"] = True``, and the backward pass then recomputes)."""
 
     def no_ext():
         return [] if plan is None else [_vma.zeros((prob.max_steps,), a) for a in plan.stored]
@@ -692,6 +693,8 @@ def _make_fwd(prob: Problem, store: bool, plan: ResidualPlan | None = None):
 
     @fwd.def_vmap
     def fwd_rule(axis_size, in_batched, consts, cconsts, init, xs, n, kd):
+        if seen is not None:
+            seen["batched"] = True
         cb, ccb, ib, xb, nb, kb = in_batched
         B = axis_size
         init = _batch(init, ib, B)
@@ -742,10 +745,14 @@ def _make_fwd(prob: Problem, store: bool, plan: ResidualPlan | None = None):
     return fwd
 
 
-def _make_bwd(prob: Problem, plan: ResidualPlan | None = None):
+def _make_bwd(prob: Problem, plan: ResidualPlan | None = None, seen=None):
     def unbatched(consts, xs, kd, res, steps, ct_carry, ct_ys):
         if not prob.thinning:
-            return backward_single(prob, plan, consts, xs, kd, res, steps, ct_carry, ct_ys)
+            # The stored residuals are filled only when the forward pass ran unbatched; under an
+            # enclosing vmap of the whole vjp (vmap(jacrev), vmap(vmap(grad))) it ran batched,
+            # while this backward pass may see only its cotangents batched: recompute then.
+            use = plan if not (seen or {}).get("batched") else None
+            return backward_single(prob, use, consts, xs, kd, res, steps, ct_carry, ct_ys)
         c_axes = [None] * len(consts)
         buf, stride, _ = res
         acc, ct, ct_xs = backward_batched(
@@ -818,8 +825,9 @@ def _make_bwd(prob: Problem, plan: ResidualPlan | None = None):
 def run_checkpointed(prob: Problem, consts, cconsts, init, xs, n, kd):
     plan = residual_plan(prob, consts, init, xs, kd)
     fwd_plain = _make_fwd(prob, store=False)
-    fwd_store = _make_fwd(prob, store=True, plan=plan)
-    bwd = _make_bwd(prob, plan)
+    seen = {}
+    fwd_store = _make_fwd(prob, store=True, plan=plan, seen=seen)
+    bwd = _make_bwd(prob, plan, seen)
     cmask, xmask, ymask = prob.carry_mask, prob.x_mask, prob.y_mask
     kmask = [is_diff(c) for c in consts]
 

@@ -301,8 +301,6 @@ FORWARD = {
     "jvp(vmap)": t_jvp_vmap,
     "jacfwd": t_jacfwd,
 }
-# Strategies and the forward-mode transforms each supports (reverse mode: all but "while").
-FORWARD_MODE = {"masked", "while"}
 CONFIGS = [("masked", None), ("checkpointed", None), ("checkpointed", 2), ("auto", None),
            ("auto", 2), ("while", None)]  # fmt: skip
 
@@ -337,8 +335,6 @@ def test_reverse_mode_matrix(case, name, cfg):
 @pytest.mark.parametrize("name", list(FORWARD))
 @pytest.mark.parametrize("case", list(CASES))
 def test_forward_matrix(case, name, cfg):
-    if name != "vmap(vmap)" and cfg[0] not in FORWARD_MODE:
-        pytest.skip("forward mode of the reverse-mode strategies: see test_forward_mode_errors")
     check(case, cfg, FORWARD[name])
 
 

@@ -296,3 +296,57 @@ def test_while_loop_step_evaluations_match_its_docstring():
     assert counter.run(jax.jit(jax.grad(loss)), X) == steps
     vloss = lambda xs: jnp.sum(jax.vmap(lambda x: dd.while_loop(cond, body, x, max_steps=5))(xs))  # noqa: E731
     assert counter.run(jax.jit(jax.grad(vloss)), X[None]) == 2 * steps
+
+
+@pytest.mark.parametrize(
+    ("shape", "length"), [((4,), 100), ((4,), 10**6), ((64,), 10**6), ((512, 64), 4096)]
+)
+def test_bounded_checkpoints_fit_the_budget(shape, length):
+    from dyndepth._loop import STORED_CARRY_BUDGET, bounded_checkpoints
+
+    carry_bytes = int(np.prod(shape)) * 4
+    k = bounded_checkpoints(jnp.zeros(shape), length)
+    if length * carry_bytes <= STORED_CARRY_BUDGET:
+        assert k is None
+        return
+    spacing = 1
+    while -(-length // spacing) > k:
+        spacing *= 2
+    assert 2 * (k + spacing) * carry_bytes <= STORED_CARRY_BUDGET
+    # No larger K of the form ceil(length / S) fits.
+    assert 2 * (-(-length // (spacing // 2)) + spacing // 2) * carry_bytes > STORED_CARRY_BUDGET
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_huge_max_depth_does_not_allocate_max_depth_carries(batched):
+    """max_depth=10**6, depth 5: the default switches to bounded checkpointing by itself."""
+    from dyndepth._loop import STORED_CARRY_BUDGET
+
+    W = jnp.eye(64) * 0.5
+
+    def one(x, d):
+        return dd.repeat(lambda c: jnp.tanh(c @ W), x, d, max_depth=10**6)
+
+    def loss(x, d):
+        out = jax.vmap(one)(x, d) if batched else one(x, d)
+        return jnp.sum(out**2)
+
+    x = jnp.ones((2, 64) if batched else (64,))
+    d = jnp.array([5, 3]) if batched else jnp.array(5)
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(x, d).compile()
+    samples = 2 if batched else 1
+    budget = samples * STORED_CARRY_BUDGET + 2**20
+    assert compiled.memory_analysis().temp_size_in_bytes < budget
+    value, grad = compiled(x, d)
+
+    def plain(x):
+        rows = x if batched else x[None]
+        depths = d if batched else d[None]
+        total = 0.0
+        for r, n in zip(rows, depths):
+            for _ in range(int(n)):
+                r = jnp.tanh(r @ W)
+            total = total + jnp.sum(r**2)
+        return total
+
+    tree_allclose((value, grad), jax.value_and_grad(plain)(x), rtol=1e-5)

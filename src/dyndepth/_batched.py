@@ -27,9 +27,12 @@ def stats_of(iterations, rows):
     return jnp.stack([iterations, iterations * rows]).astype(jnp.int32)
 
 
-def merge_stats(per_device):
-    """Stats of per-device loops, stacked: the longest loop, the sum of executed steps."""
-    return jnp.stack([jnp.max(per_device[:, 0]), jnp.sum(per_device[:, 1])])
+def merge_stats(stats, across):
+    """Stats of loops run side by side (a stacked leading axis, and ``across`` devices): the
+    longest loop, the sum of executed steps."""
+    stats = stats.reshape(-1, 2)
+    iterations = across.max(jnp.max(stats[:, 0]))
+    return jnp.stack([iterations, across.sum(jnp.sum(stats[:, 1]))])
 
 
 def active(loop: Loop, cconsts, cc_axes, i, n, carry):

@@ -12,7 +12,7 @@ picks the kernel:
   backward pass whose residuals are shared by the rows (only the cotangents batched, as in
   ``jacrev``) is the unbatched sweep mapped over the cotangents;
 * under plain ``jit`` with the rows sharded over ``Explicit`` mesh axes, one kernel per device
-  (:func:`dyndepth._vma.per_device`).
+  (:func:`dyndepth._per_device.per_device`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import jax
 
 from . import _batched, _schedule, _single, _vma
 from ._leaves import broadcast_rows, merge, take
+from ._per_device import Across, per_device
 from ._residuals import ResidualPlan
 from ._step import Loop, Perturbed
 
@@ -106,7 +107,7 @@ def _flat_forward(carry, ys, steps, stats, res) -> list:
 def _combine_stats(nc: int, loop: Loop, out: list) -> list:
     """After a vmap over an outer level: the stats of every inner loop, combined."""
     pos = nc + len(loop.y_avals) + 1
-    out[pos] = _batched.merge_stats(out[pos].reshape(-1, 2))
+    out[pos] = _batched.merge_stats(out[pos], Across())
     return out
 
 
@@ -143,7 +144,7 @@ def _forward_rows(loop, level, store, plan, consts, cconsts, init, xs, n, kd) ->
 
     # Under plain jit with the rows sharded over Explicit mesh axes: one loop per device.
     in_b = (list(cb), list(ccb), [True] * nc, [True] * nx, True, _leaf_or_none(kd))
-    carry, ys, steps, res, stats = _vma.per_device(
+    carry, ys, steps, res, stats = per_device(
         run, (consts, cconsts, init, xs, n, kd), in_b, (n, init, xs), (_batched.merge_stats,)
     )
     # A shared depth (and no predicate) leaves the steps unbatched: the backward pass then
@@ -250,7 +251,7 @@ def _backward_rows(loop, level, pert, plan, use_ext, consts, xs, kd, steps, buf,
     args = (consts, xs, kd, buf, stride, steps, ct_c, ct_y)
     in_b = (list(cb), [True] * nx, _leaf_or_none(kd), [True] * nc, True, True,
             [True] * len(ct_c), [True] * len(ct_y))  # fmt: skip
-    ct, ct_xs, acc_rows, acc_shared = _vma.per_device(
-        run, args, in_b, (steps, buf, ct_c), (lambda acc: [a.sum(0) for a in acc],)
+    ct, ct_xs, acc_rows, acc_shared = per_device(
+        run, args, in_b, (steps, buf, ct_c), (lambda acc, across: [across.sum(a) for a in acc],)
     )
     return [*merge(acc_rows, acc_shared, k_rows), *ct, *ct_xs]

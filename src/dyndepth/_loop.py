@@ -58,6 +58,29 @@ def _uses_vmap_axis(loop: Any) -> bool:
     return bool(names & in_scope)
 
 
+# With ``checkpoints=None`` the reverse-mode loops keep a buffer of ``max_depth`` carries per
+# sample; above this many bytes they store a bounded number of checkpoints instead, so that a
+# generous ``max_depth`` with small depths does not allocate gigabytes.
+STORED_CARRY_BUDGET = 64 * 2**20
+
+
+def bounded_checkpoints(init: Any, length: int) -> int | None:
+    """``None`` while ``length`` carries fit :data:`STORED_CARRY_BUDGET`, else the number of
+    checkpoints ``K`` for ``checkpoints=None``: the largest ``K = ceil(length / S)``, ``S`` a
+    power of two, whose ``K + S`` carries fit half the budget (the compiled backward pass may
+    hold two copies of the checkpoints); the smallest ``K + S`` when none fits."""
+    carry_bytes = sum(
+        jax.typeof(leaf).size * jax.typeof(leaf).dtype.itemsize for leaf in jax.tree.leaves(init)
+    )
+    if carry_bytes == 0 or length * carry_bytes <= STORED_CARRY_BUDGET:
+        return None
+    fits = STORED_CARRY_BUDGET // (2 * carry_bytes)
+    spacings = [2**e for e in range(max(length - 1, 1).bit_length() + 1)]
+    options = [(-(-length // s), s) for s in spacings]
+    inside = [k for k, s in options if k + s <= fits]
+    return max(inside) if inside else min(options, key=sum)[0]
+
+
 def _run(kind: StepKind, fn: Callable, cond_fn: Callable | None, init: Any, xs: Any, n: Any,
          key: Any, stacked: Any = None, *, length: int, strategy: str,
          checkpoints: int | None, slots: int | None):  # fmt: skip
@@ -74,6 +97,8 @@ def _run(kind: StepKind, fn: Callable, cond_fn: Callable | None, init: Any, xs: 
             f"`slots`={slots} sets the per-sample scheduler of strategy 'auto' only, got "
             f"strategy={strategy!r}; drop it or use strategy='auto'"
         )
+    if checkpoints is None and strategy in ("auto", "checkpointed"):
+        checkpoints = bounded_checkpoints(init, length)
     keys, kd, key_example = _key_parts(key, "key")
     traced = trace_loop(
         kind, fn, cond_fn, init, xs, keys, key_example, stacked,
@@ -183,15 +208,19 @@ def repeat(
       fill up), and recomputes the carries between two checkpoints during the backward pass
       into a buffer of ``S`` carries, ``S`` the smallest power of two with
       ``ceil(max_depth / S) <= K``. Memory: ``K + S`` carries; step evaluations: at most
-      ``3 * depth`` (exactly ``2 * depth`` when ``depth <= K``).
+      ``3 * depth`` (exactly ``2 * depth`` when ``depth <= K``). ``None`` with ``max_depth``
+      carries over ``dyndepth._loop.STORED_CARRY_BUDGET`` (64 MiB per sample) takes a bounded
+      ``K`` by itself: the largest ``K = ceil(max_depth / S)`` whose ``K + S`` carries fit
+      half the budget, so a generous ``max_depth`` with small depths never allocates
+      gigabytes (pass ``checkpoints`` explicitly to choose otherwise).
 
     - ``slots``: under ``vmap`` with per-sample depths, ``"auto"`` runs the batch through the
       per-sample scheduler (see :func:`repeat_batched`) with this many slots. ``None`` chooses
-      at run time among ``B, B/2, B/4, B/8`` the largest count that the depths keep busy
-      (``<= 1.1 * sum(depth) / max(depth)``), one compiled branch each; batches of 8 or fewer
-      run unscheduled. For ``while_loop``, whose stopping steps are unknown up front, ``None``
-      means ``ceil(B / 4)``. Other strategies reject it; outside ``vmap`` there is nothing to
-      schedule.
+      at run time among ``B, B/2, B/16, B/128, ..., 1`` (one compiled branch each) the largest
+      count whose wrap-around schedule executes at most ``sum(depth) / 16`` sample-steps more
+      than ``sum(depth)``; batches of 2 or fewer run unscheduled. For ``while_loop``, whose
+      stopping steps are unknown up front, ``None`` means ``ceil(B / 4)``. Other strategies
+      reject it; outside ``vmap`` there is nothing to schedule.
 
     - ``checked``: verify a traced ``depth`` at run time instead of clamping it: a value outside
       ``[0, max_depth]`` raises (under jit and vmap) with the value and, under vmap, its batch
@@ -409,11 +438,14 @@ def repeat_batched(
                           for b in range(len(depths))])
 
     ``f`` acts on one sample. The batch runs in ``slots`` slots (static shapes): at every loop
-    iteration ``f`` is applied to all slots at once; when a sample reaches its depth, its carry is
-    written out and the next pending sample is loaded into the slot. Samples start longest
-    first, so the tail stays short. The backward pass is scheduled the same way: each slot runs
-    one sample's reverse sweep from its depth down to 0 (with ``checkpoints=None``; with
-    ``checkpoints=K`` the backward pass runs unscheduled, masked over the batch). Every sample
+    iteration ``f`` is applied to all slots at once. The samples' steps are laid end to end
+    (``W = sum(depths)`` of them) and cut into ``slots`` runs of ``C = max(max(depths),
+    ceil(W / slots))`` iterations (McNaughton's wrap-around rule): a sample cut by a boundary
+    runs its first steps at the start of the next slot and its last ones at the end of its own,
+    its carry waiting in between. Executed sample-steps are ``slots x C``: below ``W + slots``
+    when ``slots <= W / max(depths)``. The backward pass is scheduled the same way over the
+    reverse sweeps (with ``checkpoints=None``; with ``checkpoints=K``, given or chosen by the
+    memory budget of :func:`repeat`, it runs unscheduled, masked over the batch). Every sample
     gets exactly the keys it gets alone: ``step_key(keys[b], i)``.
 
     **Arguments:**
@@ -425,9 +457,10 @@ def repeat_batched(
     - ``max_depth``: static int ``>= 0``.
     - ``keys``: ``None`` or a batch of ``B`` keys (``jax.random.split(key, B)``).
     - ``slots``: static int ``>= 1``, or ``None`` to choose at run time among
-      ``B, B/2, B/4, B/8`` the largest count the depths keep busy (see :func:`repeat`).
-      Executed sample-steps are ``slots x iterations``; fewer slots waste less on skewed depth
-      distributions, more slots take fewer iterations.
+      ``B, B/2, B/16, B/128, ..., 1`` the largest count that executes at most
+      ``sum(depths) / 16`` sample-steps more than ``sum(depths)`` (see :func:`repeat`): the
+      bound holds for every distribution of depths, forward and backward. More slots take
+      fewer iterations (``C``), which is what a wide accelerator wants.
     - ``checkpoints``: as :func:`repeat`.
     - ``checked``: as :func:`repeat`.
     - ``return_stats``: also return a dict of int32 values: ``iterations`` (loop iterations of

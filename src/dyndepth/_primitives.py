@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive, jaxpr_as_fun
 from jax.interpreters import ad, batching, mlir
 
-from . import _dispatch, _vma
+from . import _dispatch, _per_device, _vma
 from ._dispatch import Batch, Level
 from ._leaves import fill, take
 from ._residuals import residual_plan
@@ -81,14 +81,16 @@ _KERNELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _KERNEL_FNS = {"loop": _forward_kernel, "bwd": _backward_kernel}
 
 
-def _kernel_jaxpr(kind: str, params: dict, avals: tuple):
-    """The kernel of ``kind`` traced for these parameters and input types (cached)."""
+def _kernel_jaxpr(kind: str, params: dict, avals: tuple, partitioned: bool = False):
+    """The kernel of ``kind`` traced for these parameters and input types (cached); with
+    ``partitioned``, its batched loops take part in XLA's partitioning (one per device)."""
     table = _KERNELS.setdefault(params["loop"], {})
     key = (kind, tuple(sorted((k, v) for k, v in params.items() if k != "loop")), avals,
-           jax.sharding.get_abstract_mesh())  # fmt: skip
+           jax.sharding.get_abstract_mesh(), partitioned)  # fmt: skip
     hit = table.get(key)
     if hit is None:
-        hit = jax.make_jaxpr(functools.partial(_KERNEL_FNS[kind], **params))(*avals)
+        with _per_device.partitioning(partitioned):
+            hit = jax.make_jaxpr(functools.partial(_KERNEL_FNS[kind], **params))(*avals)
         table[key] = hit
     return hit
 
@@ -98,13 +100,17 @@ def _register(prim: Primitive, kind: str):
         closed = _kernel_jaxpr(kind, params, tuple(avals))
         return closed.out_avals, closed.effects
 
-    def lower(*ops, **params):
-        closed = _kernel_jaxpr(kind, params, tuple(jax.typeof(x) for x in ops))
-        return jaxpr_as_fun(closed)(*ops)
+    def lower(ctx, *ops, **params):
+        # Only the outermost dyndepth loop of a program is partitioned per device: a loop
+        # nested in another's step already runs on that loop's per-device rows.
+        partitioned = _per_device.lowering_for_devices(ctx)
+        with _per_device.nested_lowering():
+            closed = _kernel_jaxpr(kind, params, tuple(ctx.avals_in), partitioned)
+            return mlir.lower_fun(jaxpr_as_fun(closed), multiple_results=True)(ctx, *ops)
 
     prim.def_effectful_abstract_eval(abstract_eval)
     prim.def_impl(_eager(prim, _KERNEL_FNS[kind]))
-    mlir.register_lowering(prim, mlir.lower_fun(lower, multiple_results=True))
+    mlir.register_lowering(prim, lower)
 
 
 def _eager(prim: Primitive, kernel):
@@ -126,6 +132,7 @@ def _eager(prim: Primitive, kernel):
 
 _register(loop_p, "loop")
 _register(bwd_p, "bwd")
+_per_device.needs_devices_when_lowered(loop_p, bwd_p)
 
 
 # ----------------------------------------------------------------------------- layouts

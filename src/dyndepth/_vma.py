@@ -11,9 +11,8 @@ Outside ``shard_map`` there are no manual axes and every wrapper is the plain ``
 A per-device loop is what we want there anyway: each device schedules its own shard.
 
 Under plain ``jit`` with mesh axes of type ``Explicit``, arrays are typed with their shardings.
-:func:`per_device` runs a batched loop inside a ``shard_map`` of its own when its batch is
-sharded that way, :func:`mesh_context` and :func:`zeros` give dyndepth's own buffers the types
-of the values written into them.
+:func:`mesh_context` and :func:`zeros` give dyndepth's own buffers the types of the values
+written into them (``dyndepth._per_device`` runs a batched loop once per device).
 """
 
 from __future__ import annotations
@@ -386,49 +385,3 @@ def batch_mesh(leaves: Any) -> tuple[Any, tuple[str, ...]]:
         if mesh is not None:
             return mesh, axes
     return None, ()
-
-
-def per_device(fn: Callable, args: tuple, in_batched: Any, probe: Any,
-               merges: tuple[Callable, ...] = ()) -> tuple:  # fmt: skip
-    """``fn(*args)``, run once per device under ``jax.shard_map`` when the leading (batch) axis
-    of a leaf of ``probe`` is sharded over ``Explicit`` mesh axes (:func:`batch_mesh`): each
-    device then runs ``fn`` on its own slice of the batch, as under ``shard_map`` (no gather of
-    the batch, no collective inside a loop), instead of one global loop. Otherwise, simply
-    ``fn(*args)``.
-
-    ``in_batched`` (a pytree of bools shaped like ``args``) marks the leaves with a leading
-    batch axis, split over the mesh axes; the others are replicated. ``fn`` returns a tuple;
-    its last ``len(merges)`` entries are per-device values, which, per device, come back
-    stacked on a new leading device axis and go through the matching ``merges`` function (once,
-    after the loops); every other output has a leading batch axis and stays split.
-    """
-    mesh, axes = batch_mesh(probe)
-    if mesh is None:
-        return tuple(fn(*args))
-    n_merged = len(merges)
-    spec = jax.sharding.PartitionSpec(axes if len(axes) > 1 else axes[0])
-    rep = jax.sharding.PartitionSpec()
-    in_specs = jax.tree_util.tree_map(lambda b: spec if b else rep, in_batched)
-
-    def placed(a, want):
-        # shard_map takes Explicit-typed inputs only as typed: a batch leaf broadcast inside
-        # dyndepth (replicated) is split, locally, and a parameter sharded some other way is
-        # gathered, as replicated parameters are.
-        target = jax.sharding.PartitionSpec(*want, *([None] * (jax.numpy.ndim(a) - len(want))))
-        have = getattr(jax.typeof(a), "sharding", None)
-        if have is not None and not have.mesh.empty and tuple(have.spec) == tuple(target):
-            return a
-        return jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, target))
-
-    args = jax.tree_util.tree_map(placed, args, in_specs)
-
-    def local(*a):
-        out = tuple(fn(*a))
-        keep, stacked = out[: len(out) - n_merged], out[len(out) - n_merged :]
-        stacked = jax.tree_util.tree_map(lambda s: jax.numpy.expand_dims(s, 0), stacked)
-        return keep + tuple(stacked)
-
-    out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=spec,
-                        axis_names=set(axes))(*args)  # fmt: skip
-    keep = tuple(out[: len(out) - n_merged])
-    return keep + tuple(m(v) for m, v in zip(merges, out[len(out) - n_merged :], strict=True))

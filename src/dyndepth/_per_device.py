@@ -1,0 +1,216 @@
+"""A batched loop runs once per device, each on its own shard of the batch.
+
+A loop whose trip count depends on its rows must not be partitioned by XLA like ordinary
+operations: the scheduler's batch-wide decisions (which rows share a slot, when the loop stops)
+would make XLA gather the batch, and a collective over the batch axis inside a loop whose trip
+count differs per device never completes. So every batched loop goes through :func:`per_device`,
+which runs it on each device's rows, independently, and combines what the devices must agree on
+(the loop statistics, a shared parameter's gradient) once, after the loops:
+
+- **``Explicit`` mesh axes** (``jax.make_mesh``'s default): the sharding is part of the types
+  when the loop is traced, so the loop runs inside a ``jax.shard_map`` of its own.
+- **``Auto`` mesh axes** (``jax.sharding.Mesh``'s default) under plain ``jit``: the sharding is
+  known only when XLA partitions the program, so the loop is a
+  ``jax.experimental.custom_partitioning`` call whose partition rule runs it on each shard of
+  the batch axis (the other operands replicated; a parameter sharded over another axis, such as
+  ``model``, is gathered once, before the loop). With one device nothing changes.
+- Inside ``shard_map`` the loop already sees one device's rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+from jax import lax
+from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
+from jax.interpreters import mlir
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from . import _vma
+
+# Set while a kernel is traced for a lowering over several devices (see partitioning).
+_PARTITIONING = contextvars.ContextVar("dyndepth_partitioning", default=False)
+_LOWERING_DEPTH = contextvars.ContextVar("dyndepth_lowering_depth", default=0)
+
+
+@contextlib.contextmanager
+def partitioning(on: bool) -> Iterator[None]:
+    """While tracing a kernel: whether its batched loops become partitioned calls."""
+    token = _PARTITIONING.set(on)
+    try:
+        yield
+    finally:
+        _PARTITIONING.reset(token)
+
+
+@contextlib.contextmanager
+def nested_lowering() -> Iterator[None]:
+    token = _LOWERING_DEPTH.set(_LOWERING_DEPTH.get() + 1)
+    try:
+        yield
+    finally:
+        _LOWERING_DEPTH.reset(token)
+
+
+def lowering_for_devices(ctx: mlir.LoweringRuleContext) -> bool:
+    """Whether a loop lowered in ``ctx`` should be partitioned per device: the outermost loop
+    of a program lowered for several devices, outside ``shard_map``. (XLA learns the shardings
+    only then; a program lowered for any single device has no device assignment yet.)"""
+    axis_context = ctx.module_context.axis_context
+    devices = getattr(axis_context, "device_assignment", None)
+    return _LOWERING_DEPTH.get() == 0 and devices is not None and len(devices) > 1
+
+
+def needs_devices_when_lowered(*prims: Any) -> None:
+    """Have ``jit`` lower programs containing ``prims`` with their device assignment, as it
+    does for ``custom_partitioning`` (JAX's own registry, private: without it, or on a JAX
+    without it, loops on ``Auto`` meshes run unpartitioned, right but gathered)."""
+    try:
+        from jax._src import dispatch
+    except ImportError:  # pragma: no cover - depends on JAX's internals
+        return
+    registry = getattr(dispatch, "prim_requires_devices_during_lowering", None)
+    if registry is not None:
+        registry.update(prims)
+
+
+@dataclasses.dataclass(frozen=True)
+class Across:
+    """Reductions over the devices that split the batch (none: the identity)."""
+
+    axes: tuple[str, ...] = ()
+
+    def sum(self, x: Any) -> Any:
+        return lax.psum(x, self.axes) if self.axes else x
+
+    def max(self, x: Any) -> Any:
+        return lax.pmax(x, self.axes) if self.axes else x
+
+
+def per_device(fn: Callable, args: tuple, in_batched: Any, probe: Any,
+               merges: tuple[Callable, ...] = ()) -> tuple:  # fmt: skip
+    """``fn(*args)``, once per device on its shard of the batch when the batch is sharded.
+
+    ``in_batched`` (a pytree of bools shaped like ``args``) marks the leaves with a leading batch
+    axis; the others are replicated. ``fn`` returns a tuple whose last ``len(merges)`` entries
+    are per-device values: ``merge(value, across)`` combines them over the devices (``across``:
+    an :class:`Across`); every other output has a leading batch axis and stays split. ``probe``
+    holds batched leaves whose types may carry an ``Explicit`` sharding.
+    """
+    mesh, axes = _vma.batch_mesh(probe)
+    if mesh is not None:
+        return _in_shard_map(fn, args, in_batched, merges, mesh, axes)
+    if _PARTITIONING.get() and not _vma.manual_axes() and not _explicit_typed(args):
+        return _partitioned(fn, args, in_batched, merges)
+    return _merged(fn(*args), merges, Across())
+
+
+def _explicit_typed(leaves: Any) -> bool:
+    """Whether a leaf's type carries a mesh with ``Explicit`` axes (then the types, not XLA's
+    propagation, say how values are sharded)."""
+    mesh = _vma.type_mesh(leaves)
+    return mesh is not None and jax.sharding.AxisType.Explicit in mesh.axis_types
+
+
+def _merged(out: tuple, merges: tuple[Callable, ...], across: Across) -> tuple:
+    out = tuple(out)
+    keep = out[: len(out) - len(merges)]
+    per_dev = out[len(out) - len(merges) :]
+    return keep + tuple(m(v, across) for m, v in zip(merges, per_dev, strict=True))
+
+
+def _in_shard_map(fn, args, in_batched, merges, mesh, axes) -> tuple:
+    spec = P(axes if len(axes) > 1 else axes[0])
+    in_specs = jax.tree_util.tree_map(lambda b: spec if b else P(), in_batched)
+
+    def placed(a, want):
+        # shard_map takes Explicit-typed inputs only as typed: a batch leaf broadcast inside
+        # dyndepth (replicated) is split, locally, and a parameter sharded some other way is
+        # gathered, as replicated parameters are.
+        target = P(*want, *([None] * (jax.numpy.ndim(a) - len(want))))
+        have = getattr(jax.typeof(a), "sharding", None)
+        if have is not None and not have.mesh.empty and tuple(have.spec) == tuple(target):
+            return a
+        return jax.sharding.reshard(a, NamedSharding(mesh, target))
+
+    args = jax.tree_util.tree_map(placed, args, in_specs)
+    n_keep = len(jax.eval_shape(fn, *args)) - len(merges)
+    out_specs = (spec,) * n_keep + (P(),) * len(merges)
+    local = lambda *a: _merged(fn(*a), merges, Across(axes))
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         axis_names=set(axes))(*args)  # fmt: skip
+
+
+def _partitioned(fn, args, in_batched, merges) -> tuple:
+    leaves, in_tree = jax.tree_util.tree_flatten(args)
+    flags = in_tree.flatten_up_to(in_batched)
+    out_struct = jax.eval_shape(fn, *args)
+    n_keep = len(out_struct) - len(merges)
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out_struct)
+    out_flags = [True] * len(jax.tree_util.tree_leaves(out_struct[:n_keep]))
+    out_flags += [False] * (len(out_leaves) - len(out_flags))
+
+    def flat(across):
+        def run(*ls):
+            out = _merged(fn(*jax.tree_util.tree_unflatten(in_tree, ls)), merges, across)
+            return tuple(jax.tree_util.tree_leaves(out))
+
+        return run
+
+    def shardings(mesh, arg_shapes):
+        lead = _batch_spec(arg_shapes, flags)
+        placed = lambda fs: tuple(NamedSharding(mesh, P(lead) if f else P()) for f in fs)
+        axes = () if lead is None else (lead if isinstance(lead, tuple) else (lead,))
+        return placed(flags), placed(out_flags), axes
+
+    def infer(mesh, arg_shapes, result_shape):
+        return shardings(mesh, arg_shapes)[1]
+
+    def partition(mesh, arg_shapes, result_shape):
+        arg_sh, out_sh, axes = shardings(mesh, arg_shapes)
+        return mesh, flat(Across(axes)), out_sh, arg_sh
+
+    call = custom_partitioning(flat(Across()))
+    call.def_partition(
+        partition=partition,
+        infer_sharding_from_operands=infer,
+        sharding_rule=_rule(leaves, flags, out_leaves, out_flags),
+    )
+    return jax.tree_util.tree_unflatten(out_tree, list(call(*leaves)))
+
+
+def _batch_spec(arg_shapes: Any, flags: list[bool]) -> Any:
+    """The mesh axes (a name, a tuple of names, or None) that split the first batched operand's
+    leading axis."""
+    for shape, batched in zip(arg_shapes, flags, strict=True):
+        sharding = getattr(shape, "sharding", None)
+        spec = getattr(sharding, "spec", ())
+        if batched and len(spec) and spec[0] is not None:
+            return spec[0]
+    return None
+
+
+def _rule(leaves, flags, out_leaves, out_flags) -> SdyShardingRule:
+    """Shardy's view of the call: the batched leaves share the factor ``b`` of their leading
+    axis; every other dimension is its own factor and must be replicated."""
+    others: list[str] = []
+
+    def mapping(x, batched):
+        dims = []
+        for d in range(jax.numpy.ndim(x)):
+            if d == 0 and batched:
+                dims.append("b")
+            else:
+                others.append(f"f{len(others)}")
+                dims.append(others[-1])
+        return tuple(dims)
+
+    operands = tuple(mapping(x, f) for x, f in zip(leaves, flags, strict=True))
+    results = tuple(mapping(x, f) for x, f in zip(out_leaves, out_flags, strict=True))
+    return SdyShardingRule(operands, results, need_replication_factors=tuple(others))

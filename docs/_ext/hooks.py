@@ -49,7 +49,7 @@ def _example_page(repo_path: str) -> str:
     source = (REPO / repo_path).read_text()
     doc = ast.get_docstring(ast.parse(source)) or ""
     title, _, rest = doc.partition("\n")
-    lines = [f"# {title.strip() or repo_path}", "", f"`{repo_path}`", ""]
+    lines = [f"# {title.strip().rstrip('.') or repo_path}", "", f"`{repo_path}`", ""]
     # The docstring's indented command line becomes a shell block.
     for line in rest.strip().splitlines():
         lines.append(line)

@@ -3,22 +3,24 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv test lint demo bench clean
+.PHONY: venv test lint demo bench docs docs-test dist clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,demo]"
+	$(PY) -m pip install -q -e ".[test,demo,docs]"
 	touch $@
 
 venv: $(VENV)/.installed
 
 lint: venv
-	$(VENV)/bin/ruff format --check src tests examples benchmarks
-	$(VENV)/bin/ruff check src tests examples benchmarks
+	$(VENV)/bin/ruff format --check src tests examples benchmarks docs
+	$(VENV)/bin/ruff check src tests examples benchmarks docs
 
 # two test processes (pytest-xdist): JAX compiles are mostly single-threaded, so on two cores
-# the suite took 6.5 instead of 9.6 minutes; `make test PYTEST_ARGS=` runs one process
+# the suite took 6.5 instead of 9.6 minutes; `make test PYTEST_ARGS=` runs one process.
+# The suite includes the documentation (tests/test_docs.py runs its code, tests/test_site.py
+# builds the site and checks its pages) and the packaging (tests/test_wheel.py).
 PYTEST_ARGS ?= -n 2
 
 test: lint
@@ -30,5 +32,19 @@ demo: venv
 bench: venv
 	$(PY) benchmarks/bench.py
 
+# The site, into site/; --strict: a warning (a broken link, anchor or reference) is an error.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# The documentation's checks alone: the site's pages, the code in the docs and docstrings.
+docs-test: docs
+	$(PY) -m pytest $(PYTEST_ARGS) tests/test_site.py tests/test_docs.py
+
+# The wheel and the sdist, into dist/, checked as the package index would.
+dist: venv
+	rm -rf dist
+	$(PY) -m build --no-isolation --outdir dist .
+	$(VENV)/bin/twine check --strict dist/*
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache site dist

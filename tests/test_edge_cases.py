@@ -343,10 +343,41 @@ def test_a_huge_max_depth_does_not_allocate_max_depth_carries(batched):
         rows = x if batched else x[None]
         depths = d if batched else d[None]
         total = 0.0
-        for r, n in zip(rows, depths):
+        for r, n in zip(rows, depths, strict=True):
             for _ in range(int(n)):
                 r = jnp.tanh(r @ W)
             total = total + jnp.sum(r**2)
         return total
 
     tree_allclose((value, grad), jax.value_and_grad(plain)(x), rtol=1e-5)
+
+
+def test_jvp_of_repeat_batched_and_nn_layers_with_auto():
+    W = jnp.eye(3) * 0.7
+    xs = jnp.arange(12.0).reshape(4, 3) / 10
+    ds = jnp.array([0, 3, 1, 2])
+    t = jnp.ones_like(xs)
+
+    def batched(xs):
+        return dd.repeat_batched(lambda c: jnp.tanh(c @ W), xs, ds, max_depth=3)
+
+    def masked(xs):
+        one = lambda x, d: dd.repeat(
+            lambda c: jnp.tanh(c @ W), x, d, max_depth=3, strategy="masked"
+        )
+        return jax.vmap(one)(xs, ds)
+
+    tree_allclose(jax.jvp(batched, (xs,), (t,)), jax.jvp(masked, (xs,), (t,)), rtol=1e-6)
+
+    def recurrent(x, strategy):
+        core = lambda s, x: jnp.tanh(s @ W + x)
+        return dd.nn.recurrent_depth(core, x, x, n=1, k=2, max_n=2, max_k=2, strategy=strategy)
+
+    got = jax.jvp(lambda x: recurrent(x, "auto"), (xs[1],), (t[1],))
+    tree_allclose(got, jax.jvp(lambda x: recurrent(x, "masked"), (xs[1],), (t[1],)), rtol=1e-6)
+
+
+def test_repeat_batched_rejects_a_non_bool_checked():
+    with pytest.raises(TypeError, match="checked"):
+        dd.repeat_batched(lambda c: c, jnp.zeros((2, 1)), jnp.array([1, 1]), max_depth=2,
+                          checked="yes")  # fmt: skip

@@ -1,8 +1,9 @@
 """Public loop primitives: ``repeat``, ``scan`` and ``while_loop``.
 
-All three build one :class:`~dyndepth._engine.Problem` and hand it to the strategy's runner; they
-differ only in how the user's function is wrapped into a step ``(carry, x, key) -> (carry, y)``
-and in the stop rule.
+All of them trace the user's function into one step ``(carry, x, key) -> (carry, y)``
+(:func:`dyndepth._step.trace_loop`), validate the arguments, and bind the loop primitive
+(:mod:`dyndepth._primitives`) or, for ``"masked"``, run the plain ``lax`` loop; they differ only
+in how the user's function is wrapped and in the stop rule.
 """
 
 from __future__ import annotations
@@ -473,7 +474,8 @@ def repeat_batched(
       ``shard_map`` with ``out_specs=P(axis)`` gathers one entry per device).
 
     **Transformations:** jit, vmap (a batch of batches: the outer vmap masks), grad, vjp, jacrev,
-    forward-over-reverse. Not jvp (use ``jax.vmap(repeat, ...)`` with ``strategy="while"``).
+    jvp, jacfwd, forward over reverse (``jax.hessian``). Not reverse over reverse
+    (``grad(grad(f))`` raises a ``TypeError`` naming forward over reverse).
 
     **Returns:** the batch of final carries (and the stats dict with ``return_stats``).
 
@@ -484,6 +486,7 @@ def repeat_batched(
     max_depth = _checks.static_nonneg_int(max_depth, "max_depth")
     slots = _checks.slots_arg(slots)
     checkpoints = _checks.checkpoints_arg(checkpoints)
+    checked = _checks.bool_arg(checked, "checked")
     depths = _checks.batch_counts_arg(depths, "depths", "max_depth", max_depth, checked)
     B = depths.shape[0]
     _checks.leading_axis(inits, "inits", B)

@@ -140,11 +140,14 @@ def _in_shard_map(fn, args, in_batched, merges, mesh, axes) -> tuple:
         return jax.sharding.reshard(a, NamedSharding(mesh, target))
 
     args = jax.tree_util.tree_map(placed, args, in_specs)
-    n_keep = len(jax.eval_shape(fn, *args)) - len(merges)
-    out_specs = (spec,) * n_keep + (P(),) * len(merges)
-    local = lambda *a: _merged(fn(*a), merges, Across(axes))
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                         axis_names=set(axes))(*args)  # fmt: skip
+
+    def local(*a):  # (split outputs, merged outputs): out_specs are a prefix of it
+        out = _merged(fn(*a), merges, Across(axes))
+        return out[: len(out) - len(merges)], out[len(out) - len(merges) :]
+
+    keep, merged = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(spec, P()),
+                                 axis_names=set(axes))(*args)  # fmt: skip
+    return keep + merged
 
 
 def _partitioned(fn, args, in_batched, merges) -> tuple:

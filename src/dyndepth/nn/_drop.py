@@ -320,8 +320,8 @@ def layer_drop(
 
     **Returns:** an array of the shape and dtype of ``x``.
 
-    **Transformations:** jit, vmap, grad (``"auto"``, ``"checkpointed"``, ``"masked"``), jvp
-    (``"masked"``, ``"while"``).
+    **Transformations:** jit, vmap, grad, jvp, jacfwd, forward over reverse (every strategy
+    but ``"while"``, which has no reverse mode; jvp with every strategy).
 
     **Raises:** ``ValueError`` for a rate outside ``[0, 1]``, rates of a shape other than ``()``
     or ``(L,)``, an unknown ``mode`` or ``strategy``, or leaves of ``stacked_params`` without a

@@ -110,7 +110,7 @@ def halting(
     **Returns:** a :class:`HaltingResult` ``(state, outputs, p, steps)``.
 
     **Transformations:** jit, vmap (each sample stops on its own), grad/vjp (``"auto"``,
-    ``"checkpointed"``, ``"masked"``), jvp (``"masked"``, ``"while"``).
+    ``"checkpointed"``, ``"masked"``), jvp (every strategy).
 
     **Raises** (at trace time): ``TypeError`` if ``step_fn`` is not callable, does not return a
     3-tuple, returns a ``lam`` that is not a float scalar, or changes the state; if ``key`` is

@@ -105,7 +105,7 @@ def recurrent_depth(
     **Returns:** the final state, or ``(state, ys)`` with ``return_all``.
 
     **Transformations:** jit, vmap (per-sample ``n``, ``k``, keys, states), grad/vjp
-    (``"auto"``, ``"checkpointed"``, ``"masked"``), jvp (``"masked"``, ``"while"``).
+    (``"auto"``, ``"checkpointed"``, ``"masked"``), jvp (every strategy).
 
     **Raises** (at trace time): ``TypeError`` if ``core``/``readout`` is not callable, if
     ``core`` changes the state's structure, shape or dtype, if ``key`` is not a PRNG key or

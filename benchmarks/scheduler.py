@@ -99,17 +99,12 @@ def vmapped_while(W, xs, ds, max_depth):
     return jax.vmap(one)(xs, ds)
 
 
-def checkpoint_scan(W, xs, ds, max_depth):
-    """The seed's method: scan over ``max_depth`` with ``lax.cond``, each step rematerialised."""
-
-    def one(x, d):
-        @jax.checkpoint
-        def step(c, i):
-            return lax.cond(i < d, layer(W), lambda c: c, c), None
-
-        return lax.scan(step, x, jnp.arange(max_depth))[0]
-
-    return jax.vmap(one)(xs, ds)
+def full_scan(W, xs, ds, max_depth, remat=False):
+    """Every sample at ``max_depth``: a ``lax.scan`` of the step (with ``remat``, each step
+    rematerialised in the backward pass, as ``jax.checkpoint`` + ``lax.scan``)."""
+    body = jax.checkpoint(layer(W)) if remat else layer(W)
+    one = lambda x: lax.scan(lambda c, _: (body(c), None), x, None, length=max_depth)[0]
+    return jax.vmap(one)(xs)
 
 
 def loss_of(run, max_depth):
@@ -140,37 +135,34 @@ def time_table(batch, width, hi, repeats):
     total = int(uniform.sum())
     equal = jnp.full((batch,), total // batch, jnp.int32).at[: total % batch].add(1)
     full = jnp.full((batch,), hi, jnp.int32)
-    rows = {}
-    for label, ds in (("uniform", uniform), ("equal, same sum", equal), ("full depth", full)):
-        fwd = {
-            "scheduler": jax.jit(lambda W, xs, ds: scheduled(W, xs, ds, hi)),
-            "vmap(lax.while_loop)": jax.jit(lambda W, xs, ds: vmapped_while(W, xs, ds, hi)),
-            "checkpoint + scan": jax.jit(lambda W, xs, ds: checkpoint_scan(W, xs, ds, hi)),
-        }
-        vg = {
-            "scheduler": jax.jit(jax.value_and_grad(loss_of(scheduled, hi))),
-            "checkpoint + scan": jax.jit(jax.value_and_grad(loss_of(checkpoint_scan, hi))),
-        }
-        rows[label] = (
-            {k: best_ms(f, W, xs, ds, repeats=repeats) for k, f in fwd.items()},
-            {k: best_ms(f, W, xs, ds, repeats=repeats) for k, f in vg.items()},
-        )
+    ms = lambda fn, ds: best_ms(jax.jit(fn), W, xs, ds, repeats=repeats)
+    fwd = lambda run: lambda W, xs, ds: run(W, xs, ds, hi)
+    vg = lambda run: jax.value_and_grad(loss_of(run, hi))
+    rows = {
+        label: (ms(fwd(scheduled), ds), ms(fwd(vmapped_while), ds), ms(vg(scheduled), ds))
+        for label, ds in (("uniform", uniform), ("equal, same sum", equal), ("full", full))
+    }
+    scan_fwd = ms(fwd(full_scan), full)
+    remat_scan = lambda W, xs, ds, hi: full_scan(W, xs, ds, hi, remat=True)
+    scan_vg = ms(vg(remat_scan), full)
     print(f"\n### Time (ms, best of {repeats}): B={batch}, D={width}, max_depth={hi}\n")
-    print("| depths | forward: scheduler | vmap(lax.while_loop) | checkpoint + scan "
-          "| value_and_grad: scheduler | checkpoint + scan |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
-    for label, (f, g) in rows.items():
-        print(f"| {label} | {f['scheduler']:.1f} | {f['vmap(lax.while_loop)']:.1f} | "
-              f"{f['checkpoint + scan']:.1f} | {g['scheduler']:.1f} | "
-              f"{g['checkpoint + scan']:.1f} |")  # fmt: skip
-    (uf, ug), (ef, eg), (ff, fg) = rows.values()
+    print("| depths | forward: scheduler | vmap(lax.while_loop) | value_and_grad: scheduler |")
+    print("|---|---|---|---|")
+    for label, (f, w, g) in rows.items():
+        print(f"| {label} | {f:.1f} | {w:.1f} | {g:.1f} |")
+    print(
+        f"| full, `lax.scan` / `jax.checkpoint` + `lax.scan` | {scan_fwd:.1f} | | {scan_vg:.1f} |"
+    )
+    (uf, uw, ug), (ef, _, eg), (ff, _, fg) = rows.values()
     print("\nRatios:")
-    print(f"- uniform / equal depths, same sum: forward {uf['scheduler'] / ef['scheduler']:.2f}x,"
-          f" value_and_grad {ug['scheduler'] / eg['scheduler']:.2f}x")  # fmt: skip
-    speedup = uf["vmap(lax.while_loop)"] / uf["scheduler"]
-    print(f"- uniform, forward: vmap(lax.while_loop) / scheduler = {speedup:.2f}x")
-    full_ratio = fg["scheduler"] / fg["checkpoint + scan"]
-    print(f"- full depth, value_and_grad: scheduler / checkpoint + scan = {full_ratio:.2f}x")
+    print(
+        f"- uniform / equal depths, same sum: forward {uf / ef:.2f}x, value_and_grad {ug / eg:.2f}x"
+    )
+    print(f"- uniform, forward: vmap(lax.while_loop) / scheduler = {uw / uf:.2f}x")
+    print(
+        f"- full depth: scheduler / lax.scan forward {ff / scan_fwd:.2f}x, "
+        f"scheduler / (jax.checkpoint + lax.scan) value_and_grad {fg / scan_vg:.2f}x"
+    )
 
 
 def compile_seconds(strategy, batch, width, hi):

@@ -18,7 +18,16 @@ import jax
 import jax.numpy as jnp
 
 from . import _vma
-from ._leaves import gather_rows, merge, rows_mask, scatter_rows, take, where_rows
+from ._leaves import (
+    column,
+    gather_rows,
+    merge,
+    put_column,
+    rows_mask,
+    scatter_rows,
+    take,
+    where_rows,
+)
 from ._step import Loop, Perturbed
 
 
@@ -70,14 +79,16 @@ def forward(loop: Loop, consts, c_axes, cconsts, cc_axes, init, xs, n, kd, *, st
         state["count"] = jnp.zeros((B,), jnp.int32)
         state["stride"] = jnp.ones((B,), jnp.int32)
 
+    # Rows stop for good, so every active row is at step ``iters``: one shared index reads xs
+    # and writes ys and the stored carries (a slice, not a gather or scatter per row).
     def body(s):
-        i, act, carry = s["i"], s["act"], s["carry"]
+        i, act, carry, it = s["i"], s["act"], s["carry"], s["iters"]
         s = dict(s)
         if store:
             s.update(_store(loop, s, i, act, carry))
-        new_carry, y = vstep(consts, carry, gather_rows(xs, i), loop.key_at(kd, i))
+        new_carry, y = vstep(consts, carry, column(xs, it), loop.key_at(kd, i))
         s["carry"] = where_rows(act, new_carry, carry)
-        s["ys"] = scatter_rows(s["ys"], i, y, act)
+        s["ys"] = put_column(s["ys"], it, y, act)
         s["i"] = i + act.astype(jnp.int32)
         s["act"] = act & active(loop, cconsts, cc_axes, s["i"], n, s["carry"])
         s["iters"] = s["iters"] + 1
@@ -110,7 +121,10 @@ def _store(loop: Loop, s, i, act, carry):
 
         buf, count, stride = _vma.cond(jnp.any(full), compact, lambda a: a, (buf, count, stride))
     want = act & (i % stride == 0)
-    buf = scatter_rows(buf, count, carry, want)
+    if loop.thinning:
+        buf = scatter_rows(buf, count, carry, want)
+    else:  # count == i == iters on active rows
+        buf = put_column(buf, s["iters"], carry, want)
     count = count + want.astype(jnp.int32)
     return dict(buf=buf, count=count, stride=stride)
 

@@ -265,3 +265,47 @@ def test_shard_map_keyed_steps_with_constants_and_cond():
         if not name.startswith("masked"):
             # dyndepth's own loops sum the replicated W's gradient once, after the loop
             assert rec["in_loops"] == [] and rec["all_reduce"] >= 1, (name, rec)
+
+
+REPLICATED_GRAD_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import jax, jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    import dyndepth
+
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    x = jnp.linspace(-1.0, 1.0, 8)
+    w = jnp.array(0.7)
+
+    def looped(kind):
+        def run(w, x):
+            if kind == "repeat":
+                h = dyndepth.repeat(lambda h: jnp.tanh(w * h), x, 3, max_depth=4)
+            elif kind == "recurrent_depth":
+                core = lambda s, xi: jnp.tanh(w * s + xi)
+                h = dyndepth.nn.recurrent_depth(core, x, x, n=1, k=2, max_n=2, max_k=2)
+            else:  # the reference
+                h = jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(w * h), x)
+            return jax.lax.psum(jnp.sum(h), "data")
+        sm = jax.shard_map(run, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+        return jax.jit(jax.grad(sm))(w, x)
+
+    def one_device(w):  # the same truncated loop on the whole batch, no shard_map
+        core = lambda s, xi: jnp.tanh(w * s + xi)
+        return jnp.sum(dyndepth.nn.recurrent_depth(core, x, x, n=1, k=2, max_n=2, max_k=2))
+
+    out = {k: float(looped(k)) for k in ("repeat", "recurrent_depth", "fori")}
+    out["recurrent_one_device"] = float(jax.grad(one_device)(w))
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+def test_replicated_parameter_gradient_inside_shard_map_is_summed_once():
+    """An unbatched loop inside shard_map closing over a replicated parameter: its gradient is
+    the sum of the per-device gradients, once (it came out multiplied by the device count)."""
+    r = run_on_eight_devices(REPLICATED_GRAD_SCRIPT)
+    assert abs(r["repeat"] - r["fori"]) < 1e-5 * abs(r["fori"]), r
+    want = r["recurrent_one_device"]
+    assert want != 0.0 and abs(r["recurrent_depth"] - want) < 1e-5 * abs(want), r

@@ -1,10 +1,12 @@
 """The command line: `dyndepth bench --quick` and `dyndepth demo` end to end, in-process."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
-from dyndepth import _cli
+from dyndepth._app import cli as _cli
 
 
 def test_bench_quick_runs_and_writes_json_and_plot(tmp_path, capsys):
@@ -50,3 +52,15 @@ def test_bench_rejects_unknown_workload(capsys):
 def test_demo_seed_task_rejects_devices(capsys):
     assert _cli.main(["demo", "--task", "seed", "--devices", "2"]) == 2
     assert "--devices 2 applies to the prefix-sums training only" in capsys.readouterr().err
+
+
+def test_import_dyndepth_does_not_import_the_app():
+    """The library never imports the application (demo, bench, CLI), nor tqdm or matplotlib."""
+    code = (
+        "import dyndepth, dyndepth.nn, sys; "
+        "bad = sorted(m for m in sys.modules if m.startswith('dyndepth._app') "
+        "or m.split('.')[0] in ('tqdm', 'matplotlib')); "
+        "assert not bad, bad"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]

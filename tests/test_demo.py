@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from helpers import tree_allclose
 
-from dyndepth import _cli
-from dyndepth import _demo as demo
+from dyndepth._app import cli as _cli
+from dyndepth._app import demo
 
 
 def test_data_is_prefix_parity():
@@ -175,7 +175,7 @@ MULTI_DEVICE = textwrap.dedent(
     """
     import json
     import jax, jax.numpy as jnp, numpy as np
-    from dyndepth import _demo as demo
+    from dyndepth._app import demo
 
     assert jax.device_count() == 8
     out = {}

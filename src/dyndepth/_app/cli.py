@@ -19,13 +19,13 @@ def _demo(args: argparse.Namespace) -> int:
             )
             return 2
         return _seed_demo(args)
-    from dyndepth import _demo as demo
+    from dyndepth._app import demo
 
     return demo.main_demo(args)
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from dyndepth import _demo as demo
+    from dyndepth._app import demo
 
     return demo.main_eval(args)
 
@@ -35,7 +35,7 @@ def _seed_demo(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     import dyndepth
-    from dyndepth import _bench
+    from dyndepth._app import bench as _bench
 
     print("== the seed's program with dyndepth.repeat (B=32, D=64, depths in [1, 100]) ==")
     max_iters, batch, dim = 100, 32, 64
@@ -65,13 +65,13 @@ def _seed_demo(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "bench":  # the benchmark has its own parser and --help
-        from dyndepth import _bench
+        from dyndepth._app import bench as _bench
 
         _bench.main(argv[1:])
         return 0
     parser = argparse.ArgumentParser(prog="dyndepth", description="dyndepth demo and benchmarks")
     sub = parser.add_subparsers(dest="command", required=True)
-    from dyndepth import _demo as demo_mod
+    from dyndepth._app import demo as demo_mod
 
     demo = sub.add_parser(
         "demo",

@@ -43,7 +43,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dyndepth
+
+from .args import (
+    Interrupted,
+    check_interrupt,
+    int_at_least,
+    int_list,
+    interrupt_requested,
+    positive_float,
+)
 
 # ----------------------------------------------------------------------------- data
 
@@ -238,9 +247,34 @@ class Config:
     alpha: float = 1.0
     per_sample: bool = False
     seed: int = 0
-    eval_lengths: tuple = (16, 32, 64)
-    eval_batch: int = 500
-    eval_iters_factor: int = 8
+    # Evaluation only: a checkpoint resumes under other values of these.
+    eval_lengths: tuple = field(default=(16, 32, 64), metadata={"eval": True})
+    eval_batch: int = field(default=500, metadata={"eval": True})
+    eval_iters_factor: int = field(default=8, metadata={"eval": True})
+
+
+def training_fields(cfg):
+    """The fields of ``cfg`` that define a training run (all but the evaluation ones)."""
+    return {f.name: getattr(cfg, f.name) for f in fields(cfg) if not f.metadata.get("eval")}
+
+
+class ConfigMismatch(ValueError):
+    """A checkpoint in ``--out`` was trained with another configuration."""
+
+
+def check_resumable(path, cfg):
+    """Raise :class:`ConfigMismatch` naming the differing fields when the checkpoint at ``path``
+    was trained with another configuration than ``cfg`` (evaluation fields aside)."""
+    saved = training_fields(read_checkpoint_config(path))
+    wanted = training_fields(cfg)
+    diff = [name for name in wanted if saved[name] != wanted[name]]
+    if diff:
+        what = ", ".join(f"{n} {saved[n]!r} (checkpoint) vs {wanted[n]!r} (now)" for n in diff)
+        raise ConfigMismatch(
+            f"--out {os.path.dirname(path) or '.'} holds {os.path.basename(path)}, trained with "
+            f"another configuration: {what}; use another --out, or the checkpoint's settings to "
+            "resume it"
+        )
 
 
 def draw_nk(key, cfg, shape=()):
@@ -379,11 +413,46 @@ def save_checkpoint(path, params, opt, step, cfg):
     os.replace(tmp, path)
 
 
+class BadCheckpoint(ValueError):
+    """A path that is not a readable demo checkpoint."""
+
+
+def _open_checkpoint(path):
+    if os.path.isdir(path):
+        found = sorted(f for f in os.listdir(path) if f.endswith(".ckpt.npz"))
+        hint = f" such as {os.path.join(path, found[0])}" if found else ""
+        raise BadCheckpoint(f"{path} is a directory; pass a checkpoint file{hint}")
+    if not os.path.exists(path):
+        raise BadCheckpoint(f"{path}: no such file")
+    try:
+        data = np.load(path, allow_pickle=False)
+        cfg_dict = json.loads(str(data["__config__"]))
+        cfg_dict["eval_lengths"] = tuple(cfg_dict["eval_lengths"])
+        return data, Config(**cfg_dict)
+    except Exception as e:  # zip, npz, JSON or field errors: all mean "not a checkpoint"
+        raise BadCheckpoint(
+            f"{path} is not a dyndepth demo checkpoint ({type(e).__name__}: {e})"
+        ) from None
+
+
+def read_checkpoint_config(path):
+    """The :class:`Config` stored in a checkpoint; raises :class:`BadCheckpoint`."""
+    return _open_checkpoint(path)[1]
+
+
 def load_checkpoint(path):
-    data = np.load(path, allow_pickle=False)
-    cfg_dict = json.loads(str(data["__config__"]))
-    cfg_dict["eval_lengths"] = tuple(cfg_dict["eval_lengths"])
-    cfg = Config(**cfg_dict)
+    """``(params, opt, step, cfg)`` from a checkpoint; raises :class:`BadCheckpoint` for a
+    missing, corrupt or foreign file or a directory."""
+    data, cfg = _open_checkpoint(path)
+    try:
+        return _fill_checkpoint(data, cfg)
+    except Exception as e:
+        raise BadCheckpoint(
+            f"{path} is not a dyndepth demo checkpoint ({type(e).__name__}: {e})"
+        ) from None
+
+
+def _fill_checkpoint(data, cfg):
     params = init_params(jax.random.PRNGKey(0), cfg.width)
     opt = adamw_init(params)
 
@@ -397,6 +466,10 @@ def load_checkpoint(path):
     return fill("params", params), fill("opt", opt), int(data["__step__"]), cfg
 
 
+def _log(*args):
+    print(*args, flush=True)
+
+
 def _bar(total, desc):
     try:
         from tqdm import tqdm
@@ -406,7 +479,7 @@ def _bar(total, desc):
         return None
 
 
-def train(cfg, out_dir, *, label="alpha=1", resume=True, stop_at=None, devices=1, log=print):
+def train(cfg, out_dir, *, label="alpha=1", resume=True, stop_at=None, devices=1, log=None):
     """Train (resuming from ``out_dir/<label>.ckpt.npz`` when present); returns params (on one
     device) and a dict of training figures. ``stop_at`` ends the call early at that step (as an
     interruption would: the checkpoint holds the state, and a later call resumes the same run).
@@ -415,12 +488,14 @@ def train(cfg, out_dir, *, label="alpha=1", resume=True, stop_at=None, devices=1
 
     ``figures["per_device"]`` holds, per device, the forward sample-iterations of the steps run
     in this call (see :func:`per_device_work`)."""
+    log = log or _log
     os.makedirs(out_dir, exist_ok=True)
     ckpt = os.path.join(out_dir, f"{label}.ckpt.npz")
     key = jax.random.PRNGKey(cfg.seed)
     step_fn = make_train_step(cfg, devices)  # validates ``devices`` before any work
     mesh = make_mesh(devices, cfg.batch)
     if resume and os.path.exists(ckpt):
+        check_resumable(ckpt, cfg)
         params, opt, start, _ = load_checkpoint(ckpt)
         log(f"[{label}] resuming from {ckpt} at step {start}")
     else:
@@ -438,6 +513,14 @@ def train(cfg, out_dir, *, label="alpha=1", resume=True, stop_at=None, devices=1
     t_start = time.perf_counter()
     end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
     for step in range(start, end):
+        if interrupt_requested():  # Ctrl-C: keep the work done, stop cleanly
+            save_checkpoint(ckpt, params, opt, step, cfg)
+            if bar is not None:
+                bar.close()
+            raise Interrupted(
+                f"interrupted at step {step} of {cfg.steps} ({label}); checkpoint saved to "
+                f"{ckpt}; run the same command to resume"
+            )
         t0 = time.perf_counter()
         params, opt, loss, gnorm, nk, ex, us = step_fn(
             params, opt, jax.random.fold_in(key, 1000 + step), jnp.int32(step)
@@ -533,36 +616,65 @@ def device_table(rows):
 
 
 def evaluate(params, cfg, lengths=None, iters=None, key=None):
-    lengths = lengths or cfg.eval_lengths
-    iters = iters or cfg.eval_iters_factor * cfg.max_iters
+    """Whole-string accuracy after every iteration count ``1..iters`` (default ``8 M``) for
+    each length: ``{length: [accuracy, ...]}``. Stops at a Ctrl-C between lengths
+    (:class:`Interrupted`)."""
+    lengths = cfg.eval_lengths if lengths is None else lengths
+    iters = cfg.eval_iters_factor * cfg.max_iters if iters is None else iters
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
     key = jax.random.PRNGKey(12345) if key is None else key
     curve = jax.jit(evaluate_curve, static_argnums=3)
     results = {}
     for length in lengths:
+        check_interrupt("interrupted during evaluation")
         x, t = make_batch(jax.random.fold_in(key, length), cfg.eval_batch, length)
         results[int(length)] = np.asarray(curve(params, x, t, iters)).tolist()
     return results
 
 
 def summarize(curves, cfg):
+    """Per length: the best accuracy and where, the best over ``[2M, 8M]`` and the accuracy at
+    ``M``, each ``None`` when the curve does not reach those iterations, and at the last
+    iteration evaluated (``iters``)."""
     M = cfg.max_iters
     rows = []
     for length, acc in curves.items():
         acc = np.asarray(acc)
-        lo, hi = 2 * M, min(8 * M, len(acc))
-        window = acc[lo - 1 : hi]
         rows.append(
             {
                 "length": length,
                 "best": float(acc.max()),
                 "best_at": int(acc.argmax()) + 1,
-                "best_in_2M_8M": float(window.max()) if window.size else None,
+                "best_in_2M_8M": float(acc[2 * M - 1 : 8 * M].max()) if len(acc) >= 8 * M else None,
                 "at_M": float(acc[M - 1]) if len(acc) >= M else None,
                 "at_last": float(acc[-1]),
                 "iters": len(acc),
             }
         )
     return rows
+
+
+def _pct(v):
+    return "n/a" if v is None else f"{100 * v:.1f}%"
+
+
+def table(summary_by_label, cfg):
+    """The summary as a Markdown table; "n/a" marks iterations that were not evaluated."""
+    M = cfg.max_iters
+    lines = [
+        f"| run | test length | best solved | at iteration | best in [2M, 8M] = [{2 * M}, "
+        f"{8 * M}] | at M = {M} | at the last iteration evaluated |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, rows in summary_by_label.items():
+        for r in rows:
+            lines.append(
+                f"| {label} | {r['length']} | {_pct(r['best'])} | {r['best_at']} | "
+                f"{_pct(r['best_in_2M_8M'])} | {_pct(r['at_M'])} | "
+                f"{_pct(r['at_last'])} (iteration {r['iters']}) |"
+            )
+    return "\n".join(lines)
 
 
 def plot(curves_by_label, path, cfg):
@@ -597,22 +709,8 @@ def plot(curves_by_label, path, cfg):
     return path
 
 
-def table(summary_by_label):
-    lines = [
-        "| run | test length | best solved | at iteration | best in [2M, 8M] | at M | at 8M |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for label, rows in summary_by_label.items():
-        for r in rows:
-            lines.append(
-                f"| {label} | {r['length']} | {100 * r['best']:.1f}% | {r['best_at']} | "
-                f"{100 * (r['best_in_2M_8M'] or 0):.1f}% | {100 * (r['at_M'] or 0):.1f}% | "
-                f"{100 * r['at_last']:.1f}% |"
-            )
-    return "\n".join(lines)
-
-
-def run_demo(cfg, out_dir, *, control=True, devices=1, log=print):
+def run_demo(cfg, out_dir, *, control=True, devices=1, log=None):
+    log = log or _log
     os.makedirs(out_dir, exist_ok=True)
     make_mesh(devices, cfg.batch)  # a clear error before any work
     log(
@@ -628,10 +726,22 @@ def run_demo(cfg, out_dir, *, control=True, devices=1, log=print):
     if control:
         runs.append(("alpha=0", Config(**{**asdict(cfg), "alpha": 0.0, "per_sample": False})))
     curves, summaries, training = {}, {}, {}
+    for label, c in runs:  # a config mismatch is an error before any training
+        ckpt = os.path.join(out_dir, f"{label}.ckpt.npz")
+        if os.path.exists(ckpt):
+            check_resumable(ckpt, c)
     for label, c in runs:
         params, figures = train(c, out_dir, label=label, devices=devices, log=log)
         training[label] = figures
-        curves[label] = evaluate(params, c)
+        try:
+            curves[label] = evaluate(params, c)
+        except Interrupted:
+            ckpt = os.path.join(out_dir, f"{label}.ckpt.npz")
+            raise Interrupted(
+                f"interrupted while evaluating {label}; its training is complete in {ckpt} "
+                f"(dyndepth eval --checkpoint {ckpt} evaluates it; the same command resumes the "
+                "demo)"
+            ) from None
         summaries[label] = summarize(curves[label], c)
     report = {
         "config": asdict(cfg),
@@ -646,7 +756,7 @@ def run_demo(cfg, out_dir, *, control=True, devices=1, log=print):
         json.dump(report, fh, indent=1)
     png = plot(curves, os.path.join(out_dir, "accuracy.png"), cfg)
     log("")
-    log(table(summaries))
+    log(table(summaries, cfg))
     for label, f in training.items():
         if "step_seconds_per_iteration" in f:
             log(
@@ -675,34 +785,68 @@ def run_demo(cfg, out_dir, *, control=True, devices=1, log=print):
 # ----------------------------------------------------------------------------- CLI
 
 
+# ``--quick``: a seconds-long smoke run. Flags given explicitly win over these values.
+QUICK = dict(
+    width=8,
+    train_length=8,
+    max_iters=4,
+    batch=16,
+    steps=20,
+    eval_lengths=(8, 16),
+    eval_batch=32,
+    eval_iters_factor=8,
+)
+
+
 def add_arguments(p):
     d = Config()
     p.add_argument("--task", choices=["prefix-sums", "seed"], default="prefix-sums")
-    p.add_argument("--quick", action="store_true", help="a few seconds: tiny model, few steps")
-    p.add_argument("--width", type=int, default=d.width)
-    p.add_argument("--train-length", type=int, default=d.train_length)
-    p.add_argument("--max-iters", type=int, default=d.max_iters, help="M: n + k <= M")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a few seconds: tiny model, few steps (flags given explicitly still apply)",
+    )
+    p.add_argument("--width", type=int_at_least(2), help=f"channels (default {d.width})")
+    p.add_argument(
+        "--train-length",
+        type=int_at_least(1),
+        help=f"bits per training string (default {d.train_length})",
+    )
+    p.add_argument(
+        "--max-iters", type=int_at_least(1), help=f"M: n + k <= M (default {d.max_iters})"
+    )
     p.add_argument(
         "--batch",
-        type=int,
-        default=None,
+        type=int_at_least(1),
         help=f"training batch (default {d.batch}, rounded up to a multiple of --devices)",
     )
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--steps", type=int_at_least(1), help=f"training steps (default {d.steps})")
+    p.add_argument("--lr", type=positive_float, help=f"peak learning rate (default {d.lr})")
     p.add_argument("--alpha", type=float, choices=[0.0, 1.0], default=d.alpha)
     p.add_argument("--per-sample", action="store_true", help="per-sample n and k (scheduler)")
     p.add_argument("--no-control", action="store_true", help="skip the alpha=0 control run")
     p.add_argument(
         "--devices",
-        type=int,
+        type=int_at_least(1),
         default=1,
         help="data-parallel training over this many devices (the batch must split evenly; on "
         "a CPU, simulate devices with XLA_FLAGS=--xla_force_host_platform_device_count=N)",
     )
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--eval-lengths", default="16,32,64")
-    p.add_argument("--out", default=None, help="output folder (default runs/<timestamp>/)")
+    p.add_argument(
+        "--eval-lengths",
+        type=int_list(1),
+        help="test string lengths, comma-separated (default "
+        + ",".join(map(str, d.eval_lengths))
+        + ")",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default runs/<timestamp>/). A folder that holds checkpoints of "
+        "the same configuration resumes them; one trained with another configuration is an "
+        "error naming the differing settings",
+    )
 
 
 def _round_up(n, m):
@@ -710,38 +854,24 @@ def _round_up(n, m):
     return -(-n // m) * m
 
 
+_FLAGS = ("width", "train_length", "max_iters", "batch", "steps", "lr", "eval_lengths")
+
+
 def config_from_args(a):
-    """The run's :class:`Config`. Without ``--batch`` the batch is the default (16 with
-    ``--quick``) rounded up to a multiple of ``--devices``, so that it splits evenly."""
+    """The run's :class:`Config`: each flag given explicitly, else the ``--quick`` value (with
+    ``--quick``), else the default. Without ``--batch`` the batch (100, or 16 with ``--quick``)
+    is rounded up to a multiple of ``--devices``, so that it splits evenly."""
     devices = getattr(a, "devices", 1)
-    batch = a.batch if a.batch is not None else _round_up(Config.batch, devices)
-    cfg = Config(
-        width=a.width,
-        train_length=a.train_length,
-        max_iters=a.max_iters,
-        batch=batch,
-        steps=a.steps,
-        lr=a.lr,
-        alpha=a.alpha,
-        per_sample=a.per_sample,
-        seed=a.seed,
-        eval_lengths=tuple(int(v) for v in a.eval_lengths.split(",")),
-    )
+    values = asdict(Config())
     if a.quick:
-        cfg = Config(
-            **{
-                **asdict(cfg),
-                "width": 8,
-                "train_length": 8,
-                "max_iters": 4,
-                "batch": a.batch if a.batch is not None else _round_up(16, devices),
-                "steps": 20,
-                "eval_lengths": (8, 16),
-                "eval_batch": 32,
-                "eval_iters_factor": 8,
-            }
-        )
-    return cfg
+        values.update(QUICK)
+    if getattr(a, "batch", None) is None:
+        values["batch"] = _round_up(values["batch"], devices)
+    for name in _FLAGS:
+        if getattr(a, name, None) is not None:
+            values[name] = getattr(a, name)
+    values.update(alpha=a.alpha, per_sample=a.per_sample, seed=a.seed)
+    return Config(**values)
 
 
 def main_demo(a):
@@ -755,16 +885,23 @@ def main_demo(a):
     if a.batch is None and devices > 1:
         print(f"batch {cfg.batch} (the default, rounded up to a multiple of --devices {devices})")
     out = a.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    run_demo(cfg, out, control=not a.no_control, devices=devices)
+    try:
+        run_demo(cfg, out, control=not a.no_control, devices=devices)
+    except ConfigMismatch as e:
+        print(f"dyndepth demo: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
 def main_eval(a):
-    params, _, step, cfg = load_checkpoint(a.checkpoint)
-    lengths = tuple(int(v) for v in a.lengths.split(","))
-    curves = evaluate(params, cfg, lengths=lengths, iters=a.iters)
+    try:
+        params, _, step, cfg = load_checkpoint(a.checkpoint)
+    except BadCheckpoint as e:
+        print(f"dyndepth eval: error: argument --checkpoint: {e}", file=sys.stderr)
+        return 2
     print(f"checkpoint {a.checkpoint} (step {step}, width {cfg.width}, M={cfg.max_iters})")
-    print(table({"eval": summarize(curves, cfg)}))
+    curves = evaluate(params, cfg, lengths=a.lengths, iters=a.iters)
+    print(table({"eval": summarize(curves, cfg)}, cfg))
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({str(k): v for k, v in curves.items()}, fh)

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from dyndepth._app import cli as _cli
-from dyndepth._app import demo
+from dyndepth._app import demo, train
+from dyndepth._app.config import QUICK, Config, replace
 
 
 def test_bench_quick_runs_and_writes_json_and_plot(tmp_path, capsys):
@@ -74,8 +75,8 @@ def test_import_dyndepth_does_not_import_the_app():
 def tiny_checkpoint(tmp_path_factory):
     """A checkpoint of the --quick configuration after 2 steps, in its own --out folder."""
     out = tmp_path_factory.mktemp("tiny")
-    cfg = demo.Config(**{**demo.asdict(demo.Config()), **demo.QUICK, "steps": 2})
-    demo.train(cfg, str(out), log=lambda *a, **k: None)
+    cfg = replace(Config(), **{**QUICK, "steps": 2})
+    train.train(cfg, str(out), log=lambda *a, **k: None)
     return out / "alpha=1.ckpt.npz"
 
 
@@ -138,11 +139,11 @@ def test_quick_keeps_flags_given_explicitly():
     cfg = demo.config_from_args(p.parse_args(["demo", "--quick", "--width", "12", "--steps", "7"]))
     assert (cfg.width, cfg.steps) == (12, 7)
     assert (cfg.max_iters, cfg.train_length) == (
-        demo.QUICK["max_iters"],
-        demo.QUICK["train_length"],
+        QUICK["max_iters"],
+        QUICK["train_length"],
     )
     cfg = demo.config_from_args(p.parse_args(["demo", "--quick", "--eval-lengths", "8,40"]))
-    assert cfg.eval_lengths == (8, 40) and cfg.width == demo.QUICK["width"]
+    assert cfg.eval_lengths == (8, 40) and cfg.width == QUICK["width"]
 
 
 def test_resume_with_another_config_is_an_error(tiny_checkpoint, capsys):
@@ -158,18 +159,18 @@ def test_resume_with_another_config_is_an_error(tiny_checkpoint, capsys):
 
 
 def test_eval_table_marks_iterations_not_evaluated(tiny_checkpoint, capsys):
-    M = demo.QUICK["max_iters"]
+    M = QUICK["max_iters"]
     argv = ["eval", "--checkpoint", str(tiny_checkpoint), "--lengths", "8", "--iters", str(M - 1)]
-    assert _cli.main(argv) == 0
+    assert _cli.main(argv + ["--strings", "8"]) == 0
     text = capsys.readouterr().out
     header = next(ln for ln in text.splitlines() if ln.startswith("| run"))
     row = next(ln for ln in text.splitlines() if ln.startswith("| eval | 8 |"))
     cells = dict(zip(header.split("|")[1:-1], row.split("|")[1:-1], strict=True))
     cells = {k.strip(): v.strip() for k, v in cells.items()}
-    assert cells[f"at M = {M}"] == "n/a"
-    assert cells[f"best in [2M, 8M] = [{2 * M}, {8 * M}]"] == "n/a"
-    assert cells["at the last iteration evaluated"].endswith(f"(iteration {M - 1})")
-    assert "at 8M" not in text
+    assert cells[f"at M = {M}"] == "n/a"  # iteration M was not evaluated
+    assert cells["at the last iteration"].endswith(f"({M - 1})")
+    assert cells["strings"] == "8"
+    assert "8M" not in text and "0.0% |" not in cells[f"at M = {M}"]
 
 
 def _demo_process(out, *extra):
@@ -206,7 +207,7 @@ def test_ctrl_c_while_compiling_exits_cleanly_with_a_checkpoint(tmp_path):
     assert last.startswith("dyndepth demo: interrupted at step "), err[-3000:]
     assert "Fatal Python error" not in err and "Traceback" not in err
     step = int(last.split("interrupted at step ")[1].split()[0])
-    assert demo.load_checkpoint(str(out / "alpha=1.ckpt.npz"))[2] == step
+    assert train.load_checkpoint(str(out / "alpha=1.ckpt.npz"))[2] == step
 
 
 def test_ctrl_c_while_training_saves_the_steps_done(tmp_path):
@@ -223,5 +224,5 @@ def test_ctrl_c_while_training_saves_the_steps_done(tmp_path):
     last = err.strip().splitlines()[-1]
     assert "checkpoint saved to" in last and "run the same command to resume" in last, last
     step = int(last.split("interrupted at step ")[1].split()[0])
-    assert demo.load_checkpoint(str(ckpt))[2] == step
+    assert train.load_checkpoint(str(ckpt))[2] == step
     assert steps // 10 <= step < steps

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .args import Interrupted, Parser, SigintGuard, int_at_least, int_list
+from .args import Interrupted, Parser, SigintGuard, int_at_least
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -80,12 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(run=_demo)
     ev = sub.add_parser("eval", help="evaluate a saved demo checkpoint")
-    ev.add_argument("--checkpoint", required=True, help="a DIR/alpha=1.ckpt.npz file")
-    ev.add_argument("--lengths", type=int_list(1), default=(16, 32, 64))
-    ev.add_argument(
-        "--iters", type=int_at_least(1), default=128, help="iterations 1..ITERS are evaluated"
-    )
-    ev.add_argument("--json", default=None)
+    demo_mod.add_eval_arguments(ev)
     ev.set_defaults(run=_eval)
     sub.add_parser("bench", help="side-by-side benchmarks (dyndepth bench --help)", add_help=False)
     return parser

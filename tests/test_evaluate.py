@@ -1,0 +1,110 @@
+"""The demo's evaluation: accuracy curves and where they hold, the adaptive stop rule against a
+plain-Python loop, the adaptive-vs-fixed comparison on a tiny model, and the message when
+matplotlib is missing."""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dyndepth._app import demo, evaluate, model, plots
+from dyndepth._app.config import QUICK, Config, replace
+
+TINY = replace(Config(), **QUICK)
+
+
+def test_held_from():
+    assert evaluate.held_from([0.1, 0.995, 0.98, 0.99, 1.0], 0.99) == 4
+    assert evaluate.held_from([1.0, 1.0], 0.99) == 1
+    assert evaluate.held_from([1.0, 0.5], 0.99) is None
+    assert evaluate.held_from([], 0.99) is None
+
+
+def test_accuracy_curve_matches_a_loop_and_stops_once_held(monkeypatch):
+    params = model.init_params(jax.random.PRNGKey(0), 8)
+    cfg = replace(TINY, eval_chunk=3, eval_min_iters=4, eval_max_iters=12)
+    curve = evaluate.accuracy_curve(params, cfg, 6, 16, max_iters=7)
+    assert len(curve) == 7  # chunks of 3: 3 + 3 + 1
+    x, t = model.make_batch(jax.random.fold_in(jax.random.PRNGKey(12345), 6), 16, 6)
+    h = model.project(params, x)
+    for i in range(7):
+        h = model.core(params, h, x)
+        solved = jnp.all(jnp.argmax(model.head(params, h), -1) == t, -1)
+        assert curve[i] == pytest.approx(float(jnp.mean(solved)))
+    # Stopping: with a target of 0 the accuracy holds from iteration 1, so the loop stops after
+    # the first chunk that reaches max(hold * 1, eval_min_iters) = 4 iterations: 6.
+    cfg0 = replace(cfg, eval_target=0.0)
+    assert len(evaluate.accuracy_curve(params, cfg0, 6, 16, hold=4)) == 6
+
+
+def _reference_stop(params, x, m, patience, max_steps, dilations):
+    """The stop rule as a plain Python loop on one string: (prediction, steps)."""
+    h = model.project(params, x, m)
+    pred, streak, steps = None, 0, 0
+    while streak < patience and steps < max_steps:
+        h = model.core(params, h, x, dilations, m)
+        new = np.asarray(jnp.argmax(model.head(params, h, m), -1))
+        valid = np.asarray(m) > 0
+        streak = streak + 1 if pred is not None and np.all(new[valid] == pred[valid]) else 0
+        pred, steps = new, steps + 1
+    return pred, steps
+
+
+@pytest.mark.parametrize("patience", [1, 3])
+def test_stop_rule_matches_a_python_loop(patience):
+    """Each string stops after its predicted bits stayed unchanged for `patience` iterations
+    (padding ignored), both with dyndepth.while_loop under vmap and with vmap(lax.while_loop)."""
+    params = model.init_params(jax.random.PRNGKey(1), 8)
+    x, _, m, _ = model.make_mixed_batch(jax.random.PRNGKey(2), 10, 3, 12)
+    dil, max_steps = (1, 2, 1, 1), 9
+    p_dd, s_dd = evaluate.adaptive_dyndepth(params, dil, patience, max_steps, x, m)
+    p_lax, s_lax = evaluate.adaptive_lax(params, dil, patience, max_steps, x, m)
+    for b in range(10):
+        pred, steps = _reference_stop(params, x[b], m[b], patience, max_steps, dil)
+        valid = np.asarray(m[b]) > 0
+        assert int(s_dd[b]) == int(s_lax[b]) == steps, b
+        np.testing.assert_array_equal(np.asarray(p_dd[b])[valid], pred[valid])
+        np.testing.assert_array_equal(np.asarray(p_lax[b])[valid], pred[valid])
+    assert len(set(np.asarray(s_dd).tolist())) > 1  # the strings stop at different iterations
+
+
+def test_adaptive_eval_on_a_tiny_model():
+    params = model.init_params(jax.random.PRNGKey(3), 8)
+    cfg = replace(TINY, adaptive_min_length=3, patience=2, eval_chunk=4)
+    res = evaluate.adaptive_eval(params, cfg, max_length=12, batch=24, max_steps=10)
+    steps, lengths = np.asarray(res["steps"]), np.asarray(res["lengths"])
+    assert len(steps) == len(lengths) == 24 and lengths.min() >= 3 and lengths.max() <= 12
+    assert res["same_as_lax"] and res["same_as_counted_run"]
+    fixed, dd, lax_row = res["contenders"]
+    assert 1 <= res["fixed_iterations"] <= steps.max()
+    assert fixed["executed"] == fixed["useful"] == 24 * res["fixed_iterations"]
+    assert dd["useful"] == lax_row["useful"] == steps.sum()
+    assert dd["useful"] <= dd["executed"]  # counted in the loop body
+    assert lax_row["executed"] == 24 * steps.max()
+    assert dd["accuracy"] == lax_row["accuracy"] == pytest.approx(np.mean(res["solved"]))
+    # the fixed count's accuracy is the best of the curve on these strings
+    assert fixed["accuracy"] == pytest.approx(max(res["fixed_curve"]))
+    text = evaluate.adaptive_table(res)
+    assert "| adaptive, dyndepth.while_loop under vmap |" in text
+
+
+def test_missing_matplotlib_says_how_to_get_the_plots(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises
+    assert not plots.have_matplotlib()
+    said = []
+    res = {
+        "lengths": [4, 8],
+        "steps": [2, 3],
+        "solved": [True, False],
+        "solved_from": [1, 0],
+        "fixed_iterations": 3,
+        "strings": 2,
+        "min_length": 4,
+        "max_length": 8,
+    }
+    out = demo.write_plots({"alpha=1": {8: [0.5, 1.0]}}, res, str(tmp_path), TINY, said.append)
+    assert out == []
+    assert said == [plots.MISSING] and "pip install matplotlib" in plots.MISSING
+    assert not list(tmp_path.iterdir())

@@ -136,7 +136,7 @@ def test_demo_quick_end_to_end(tmp_path, capsys):
     assert _cli.main(argv + ["--strings", "8", "--adaptive", "--json", str(js)]) == 0
     ev = json.loads(js.read_text())
     assert set(ev["curves"]) == {"8", "24"} and all(len(v) == 5 for v in ev["curves"].values())
-    assert ev["adaptive"]["max_length"] == 24 and max(ev["adaptive"]["steps"]) <= 5
+    assert ev["adaptive"]["max_length"] == 24 and max(ev["adaptive"]["steps"]) <= 24
 
 
 def test_resume_continues_the_same_run(tmp_path):
@@ -157,7 +157,7 @@ def test_train_step_runs_per_batch_and_per_sample(per_sample):
     params = model.init_params(jax.random.PRNGKey(0), cfg.width)
     step = train.make_train_step(cfg)
     p2, _, loss, gnorm, nk, executed, useful = step(
-        params, train.adamw_init(params), jax.random.PRNGKey(1), jnp.int32(0)
+        params, train.adamw_init(params), jax.random.PRNGKey(1), jnp.int32(0), jnp.int32(-1)
     )
     assert np.isfinite(float(loss)) and float(gnorm) > 0
     assert 1 <= float(nk) <= cfg.max_iters

@@ -39,11 +39,11 @@ def test_accuracy_curve_matches_a_loop_and_stops_once_held(monkeypatch):
     assert len(evaluate.accuracy_curve(params, cfg0, 6, 16, hold=4)) == 6
 
 
-def _reference_stop(params, x, m, patience, max_steps, dilations):
+def _reference_stop(params, x, m, patience, cap, dilations):
     """The stop rule as a plain Python loop on one string: (prediction, steps)."""
     h = model.project(params, x, m)
     pred, streak, steps = None, 0, 0
-    while streak < patience and steps < max_steps:
+    while streak < patience and steps < cap:
         h = model.core(params, h, x, dilations, m)
         new = np.asarray(jnp.argmax(model.head(params, h, m), -1))
         valid = np.asarray(m) > 0
@@ -55,37 +55,49 @@ def _reference_stop(params, x, m, patience, max_steps, dilations):
 @pytest.mark.parametrize("patience", [1, 3])
 def test_stop_rule_matches_a_python_loop(patience):
     """Each string stops after its predicted bits stayed unchanged for `patience` iterations
-    (padding ignored), both with dyndepth.while_loop under vmap and with vmap(lax.while_loop)."""
+    (padding ignored) or when its budget (here 0.6 iterations per bit) is used up, both with
+    dyndepth.while_loop under vmap and with vmap(lax.while_loop)."""
     params = model.init_params(jax.random.PRNGKey(1), 8)
-    x, _, m, _ = model.make_mixed_batch(jax.random.PRNGKey(2), 10, 3, 12)
-    dil, max_steps = (1, 2, 1, 1), 9
-    p_dd, s_dd = evaluate.adaptive_dyndepth(params, dil, patience, max_steps, x, m)
-    p_lax, s_lax = evaluate.adaptive_lax(params, dil, patience, max_steps, x, m)
+    x, _, m, lengths = model.make_mixed_batch(jax.random.PRNGKey(2), 10, 3, 12)
+    cap = evaluate.budgets(m, 0.6)
+    np.testing.assert_array_equal(np.asarray(cap), np.ceil(0.6 * np.asarray(lengths)))
+    dil, max_steps = (1, 2, 1, 1), int(cap.max())
+    p_dd, s_dd = evaluate.adaptive_dyndepth(params, dil, patience, max_steps, x, m, cap)
+    p_lax, s_lax = evaluate.adaptive_lax(params, dil, patience, max_steps, x, m, cap)
+    capped = 0
     for b in range(10):
-        pred, steps = _reference_stop(params, x[b], m[b], patience, max_steps, dil)
+        pred, steps = _reference_stop(params, x[b], m[b], patience, int(cap[b]), dil)
+        capped += steps == int(cap[b])
         valid = np.asarray(m[b]) > 0
         assert int(s_dd[b]) == int(s_lax[b]) == steps, b
         np.testing.assert_array_equal(np.asarray(p_dd[b])[valid], pred[valid])
         np.testing.assert_array_equal(np.asarray(p_lax[b])[valid], pred[valid])
     assert len(set(np.asarray(s_dd).tolist())) > 1  # the strings stop at different iterations
+    if patience == 3:
+        assert 0 < capped < 10  # both ways of stopping occur
 
 
 def test_adaptive_eval_on_a_tiny_model():
     params = model.init_params(jax.random.PRNGKey(3), 8)
-    cfg = replace(TINY, adaptive_min_length=3, patience=2, eval_chunk=4)
-    res = evaluate.adaptive_eval(params, cfg, max_length=12, batch=24, max_steps=10)
+    cfg = replace(TINY, adaptive_min_length=3, patience=2, eval_chunk=4, stop_budget=0.8)
+    res = evaluate.adaptive_eval(params, cfg, max_length=12, batch=24)
     steps, lengths = np.asarray(res["steps"]), np.asarray(res["lengths"])
     assert len(steps) == len(lengths) == 24 and lengths.min() >= 3 and lengths.max() <= 12
     assert res["same_as_lax"] and res["same_as_counted_run"]
     fixed, dd, lax_row = res["contenders"]
+    assert np.all(steps <= np.ceil(0.8 * lengths))
     assert 1 <= res["fixed_iterations"] <= steps.max()
     assert fixed["executed"] == fixed["useful"] == 24 * res["fixed_iterations"]
     assert dd["useful"] == lax_row["useful"] == steps.sum()
     assert dd["useful"] <= dd["executed"]  # counted in the loop body
     assert lax_row["executed"] == 24 * steps.max()
     assert dd["accuracy"] == lax_row["accuracy"] == pytest.approx(np.mean(res["solved"]))
-    # the fixed count's accuracy is the best of the curve on these strings
-    assert fixed["accuracy"] == pytest.approx(max(res["fixed_curve"]))
+    # the fixed count is the first count reaching the adaptive accuracy (or the curve's best)
+    curve = np.asarray(res["fixed_curve"])
+    goal = min(dd["accuracy"], curve.max())
+    assert fixed["accuracy"] == pytest.approx(curve[res["fixed_iterations"] - 1])
+    assert curve[res["fixed_iterations"] - 1] >= goal
+    assert np.all(curve[: res["fixed_iterations"] - 1] < goal)
     text = evaluate.adaptive_table(res)
     assert "| adaptive, dyndepth.while_loop under vmap |" in text
 

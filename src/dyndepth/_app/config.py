@@ -15,13 +15,20 @@ def _eval(default):
 class Config:
     # model
     width: int = 32
-    dilations: tuple = (1, 1, 1, 1)  # of the four convs of the two residual blocks
+    dilations: tuple = (1, 2, 4, 8)  # of the four convs of the two residual blocks
     # training: strings of min_train_length..train_length bits (padded), n + k <= max_iters
-    train_length: int = 32
+    train_length: int = 64
     min_train_length: int = 4
-    max_iters: int = 20  # M
+    max_iters: int = 12  # M
     batch: int = 50
-    steps: int = 1000
+    # at most `steps` steps; once `converge_target` of the train_length-bit validation strings
+    # are solved after M iterations (checked every `check_every` steps), `cooldown` more steps
+    # at a tenth of the learning rate, then stop
+    steps: int = 2500
+    check_every: int = 50
+    converge_target: float = 0.99
+    cooldown: int = 300
+    warmup: int = 50
     lr: float = 3e-3
     alpha: float = 1.0  # 1: progressive loss (random n, k); 0: the control, k = M always
     per_sample: bool = False
@@ -37,10 +44,12 @@ class Config:
     eval_max_iters: int = _eval(800)
     eval_chunk: int = _eval(16)
     # adaptive evaluation: strings of adaptive_min_length..max(eval_lengths) bits, each
-    # iterating until its predictions stay unchanged for `patience` iterations
-    adaptive_batch: int = _eval(500)
+    # iterating until its predictions stay unchanged for `patience` iterations, or for at most
+    # stop_budget iterations per bit
+    adaptive_batch: int = _eval(256)
     adaptive_min_length: int = _eval(16)
     patience: int = _eval(3)
+    stop_budget: float = _eval(1.0)
 
 
 # ``--quick``: a seconds-long smoke run. Flags given explicitly win over these values.
@@ -51,6 +60,9 @@ QUICK = dict(
     max_iters=4,
     batch=16,
     steps=20,
+    check_every=10,
+    cooldown=10,
+    warmup=2,
     eval_lengths=(8, 16),
     eval_batch=32,
     control_eval_batch=16,

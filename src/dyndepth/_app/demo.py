@@ -297,7 +297,7 @@ def add_eval_arguments(ev):
         "--adaptive",
         action="store_true",
         help="also the adaptive-stopping comparison on mixed lengths up to the largest of "
-        "--lengths (at most --iters iterations per string)",
+        "--lengths",
     )
     ev.add_argument("--json", default=None, help="write the curves (and adaptive figures) here")
 
@@ -319,7 +319,7 @@ def main_eval(a):
     print(table({"eval": summarize(curves, cfg, strings)}, cfg))
     out = {"curves": {str(k): v for k, v in curves.items()}}
     if a.adaptive:
-        res = adaptive_eval(params, cfg, max_steps=a.iters)
+        res = adaptive_eval(params, cfg)
         print(
             f"\nAdaptive stopping on {res['strings']} strings of {res['min_length']}.."
             f"{res['max_length']} bits; rule: {res['rule']}:"

@@ -9,13 +9,16 @@ can stop once the accuracy has held ``>= target`` from some iteration ``T`` thro
 **Adaptive stopping** (:func:`adaptive_eval`): strings of mixed lengths, padded to the longest
 and masked (a padded string computes exactly what it computes alone), each iterating until its
 own stop rule fires: *its predicted bits have not changed for ``patience`` consecutive
-iterations* (or ``max_steps``). The loop is ``dyndepth.while_loop`` under ``vmap``: the
+iterations*, or its budget of ``stop_budget`` iterations per bit is used up (a string whose
+predictions never settle, which happens for strings the net gets wrong, would otherwise run to
+the loop's bound). The loop is ``dyndepth.while_loop`` under ``vmap``: the
 library's per-sample scheduler refills a slot as soon as its string stops, so the batch costs
 about the sum of the iterations the strings take. Compared on the same strings with
 
 - a fixed iteration count for the whole batch (the smallest count at which the batch's accuracy
-  reaches the best it reaches within the adaptive run's longest stop: chosen with the labels,
-  in hindsight, the best case for a fixed count), run as a batched ``lax.fori_loop``;
+  reaches the adaptive accuracy, or the best it reaches within the adaptive run's longest stop:
+  chosen with the labels, in hindsight, the best case for a fixed count), run as a batched
+  ``lax.fori_loop``;
 - ``jax.vmap`` of ``lax.while_loop`` with the same rule (every string runs until the batch's
   slowest stops; finished strings are masked).
 """
@@ -160,12 +163,14 @@ def table(summary_by_label, cfg):
 # ----------------------------------------------------------------------------- adaptive
 
 
-def stop_init(params, x, m):
-    """The adaptive loop's carry for one string ``x`` (L,) with mask ``m`` (L,): ``(h, x, m,
-    pred, streak)``; ``pred`` starts at -1 (no prediction yet), ``streak`` counts the
-    consecutive iterations after which ``pred`` did not change."""
+def stop_init(params, x, m, cap):
+    """The adaptive loop's carry for one string ``x`` (L,) with mask ``m`` (L,) and iteration
+    budget ``cap``: ``(h, x, m, pred, streak, i, cap)``; ``pred`` starts at -1 (no prediction
+    yet), ``streak`` counts the consecutive iterations after which ``pred`` did not change, ``i``
+    the iterations run."""
     h = project(params, x, m, conv_eval)
-    return h, x, m, jnp.full(x.shape, -1, jnp.int32), jnp.int32(0)
+    pred = jnp.full(x.shape, -1, jnp.int32)
+    return h, x, m, pred, jnp.int32(0), jnp.int32(0), jnp.asarray(cap, jnp.int32)
 
 
 def stop_body(params, dilations):
@@ -173,50 +178,53 @@ def stop_body(params, dilations):
     predicted bits changed, and restarts at 0 otherwise (padding ignored)."""
 
     def body(carry):
-        h, x, m, pred, streak = carry
+        h, x, m, pred, streak, i, cap = carry
         h = core(params, h, x, dilations, m, conv_eval)
         new = jnp.argmax(head(params, h, m, conv_eval), axis=-1).astype(jnp.int32)
         same = jnp.all((new == pred) | (m == 0))
-        return h, x, m, new, jnp.where(same, streak + 1, 0)
+        return h, x, m, new, jnp.where(same, streak + 1, 0), i + 1, cap
 
     return body
 
 
 def stop_cond(patience):
     """Keep iterating while the predictions have not stayed unchanged for ``patience``
-    consecutive iterations."""
-    return lambda carry: carry[4] < patience
+    consecutive iterations and the string's budget is not used up."""
+    return lambda carry: (carry[4] < patience) & (carry[5] < carry[6])
 
 
-def adaptive_dyndepth(params, dilations, patience, max_steps, x, m):
+def budgets(m, per_bit):
+    """Each string's iteration budget: ``ceil(per_bit * its length)``, at least 1."""
+    return jnp.maximum(1, jnp.ceil(per_bit * jnp.sum(m, axis=-1))).astype(jnp.int32)
+
+
+def adaptive_dyndepth(params, dilations, patience, max_steps, x, m, cap):
     """``dyndepth.while_loop`` under ``vmap``: ``(pred (B, L), steps (B,))``."""
 
-    def one(x, m):
+    def one(x, m, cap):
         carry, steps = dyndepth.while_loop(
             stop_cond(patience),
             stop_body(params, dilations),
-            stop_init(params, x, m),
+            stop_init(params, x, m, cap),
             max_steps=max_steps,
             return_steps=True,
         )
         return carry[3], steps
 
-    return jax.vmap(one)(x, m)
+    return jax.vmap(one)(x, m, cap)
 
 
-def adaptive_lax(params, dilations, patience, max_steps, x, m):
+def adaptive_lax(params, dilations, patience, max_steps, x, m, cap):
     """``jax.vmap`` of ``lax.while_loop`` with the same rule: ``(pred (B, L), steps (B,))``."""
     body, cond = stop_body(params, dilations), stop_cond(patience)
 
-    def one(x, m):
-        carry, steps = lax.while_loop(
-            lambda c: cond(c[0]) & (c[1] < max_steps),
-            lambda c: (body(c[0]), c[1] + 1),
-            (stop_init(params, x, m), jnp.int32(0)),
+    def one(x, m, cap):
+        carry = lax.while_loop(
+            lambda c: cond(c) & (c[5] < max_steps), body, stop_init(params, x, m, cap)
         )
-        return carry[3], steps
+        return carry[3], carry[5]
 
-    return jax.vmap(one)(x, m)
+    return jax.vmap(one)(x, m, cap)
 
 
 def fixed_count(params, dilations, iters, x, m):
@@ -230,32 +238,28 @@ def fixed_count(params, dilations, iters, x, m):
     return jnp.argmax(head(params, h, m, conv_eval), axis=-1).astype(jnp.int32)
 
 
-def _count_executed(params, dilations, patience, max_steps, x, m):
+def _count_executed(params, dilations, patience, max_steps, x, m, cap):
     """The adaptive run with a callback in the loop body that counts its evaluations per
     sample slot (under the scheduler a ``jax.debug.callback`` with a batched argument is
     called once per slot and iteration): ``(pred, steps, executed sample-iterations)``."""
     count = [0]
+    body = stop_body(params, dilations)
 
-    def counted(params_):
-        body = stop_body(params_, dilations)
+    def counted(carry):
+        jax.debug.callback(lambda s: count.__setitem__(0, count[0] + 1), carry[4])
+        return body(carry)
 
-        def f(carry):
-            jax.debug.callback(lambda s: count.__setitem__(0, count[0] + 1), carry[4])
-            return body(carry)
-
-        return f
-
-    def one(x, m):
+    def one(x, m, cap):
         carry, steps = dyndepth.while_loop(
             stop_cond(patience),
-            counted(params),
-            stop_init(params, x, m),
+            counted,
+            stop_init(params, x, m, cap),
             max_steps=max_steps,
             return_steps=True,
         )
         return carry[3], steps
 
-    pred, steps = jax.block_until_ready(jax.jit(jax.vmap(one))(x, m))
+    pred, steps = jax.block_until_ready(jax.jit(jax.vmap(one))(x, m, cap))
     return np.asarray(pred), np.asarray(steps), count[0]
 
 
@@ -269,17 +273,18 @@ def _timed(fn, *args):
     return out, time.perf_counter() - t1, t1 - t0
 
 
-def adaptive_eval(params, cfg, *, max_length=None, batch=None, max_steps=None, key=None):
+def adaptive_eval(params, cfg, *, max_length=None, batch=None, key=None):
     """The adaptive-vs-fixed comparison on ``batch`` strings of lengths drawn uniformly from
     ``[cfg.adaptive_min_length, max_length]``: a dict with per-string ``lengths``, ``steps``
     and ``solved``, the fixed count's accuracy curve on the same strings, and per contender
     its accuracy, iterations, executed and useful sample-iterations, run and compile
-    seconds."""
+    seconds. Each string's budget is ``cfg.stop_budget`` iterations per bit."""
     max_length = max(cfg.eval_lengths) if max_length is None else max_length
     batch = cfg.adaptive_batch if batch is None else batch
-    max_steps = cfg.eval_max_iters if max_steps is None else max_steps
     key = jax.random.PRNGKey(777) if key is None else key
     x, t, m, lengths = make_mixed_batch(key, batch, cfg.adaptive_min_length, max_length)
+    cap = budgets(m, cfg.stop_budget)
+    max_steps = int(cap.max())
     dil, patience = tuple(cfg.dilations), cfg.patience
     tn = np.asarray(t)
     mn = np.asarray(m)
@@ -289,28 +294,40 @@ def adaptive_eval(params, cfg, *, max_length=None, batch=None, max_steps=None, k
 
     # 1. The adaptive run, counting the sample-iterations the scheduler executes (untimed).
     check_interrupt("interrupted during the adaptive evaluation")
-    pred, steps, executed = _count_executed(params, dil, patience, max_steps, x, m)
+    pred, steps, executed = _count_executed(params, dil, patience, max_steps, x, m, cap)
     solved = np.all((pred == tn) | (mn == 0), axis=1)
     acc_adaptive = float(solved.mean())
     longest = int(steps.max())
 
-    # 2. The fixed count on the same strings: accuracy after every count up to the longest stop.
-    curve_solved = solved_matrix(params, x, t, m, cfg, max_iters=longest)
+    # 2. The fixed count on the same strings: the accuracy after every count, until it reaches
+    # the adaptive accuracy (at most up to the longest adaptive run).
+    curve_solved = solved_matrix(
+        params, x, t, m, cfg, max_iters=longest, stop=lambda acc: acc[-1] >= acc_adaptive
+    )
     curve = curve_solved.mean(axis=1)
-    best = float(curve.max())
-    fixed = int(np.flatnonzero(curve >= best)[0]) + 1
-    # the iteration from which each string stays solved through `longest` (0: never)
+    reached = np.flatnonzero(curve >= min(acc_adaptive, curve.max()))
+    fixed = int(reached[0]) + 1
+    # the iteration from which each string stays solved through the curve's end (0: never)
+    ran = len(curve)
     stays = np.flip(np.cumprod(np.flip(curve_solved, 0), 0), 0).sum(0)
-    solved_from = np.where(stays > 0, longest - stays + 1, 0)
+    solved_from = np.where(stays > 0, ran - stays + 1, 0)
 
     # 3. Wall time, each compiled ahead of time and run once.
     check_interrupt("interrupted during the adaptive evaluation")
     (p_dd, s_dd), run_dd, comp_dd = _timed(
-        lambda p, x, m: adaptive_dyndepth(p, dil, patience, max_steps, x, m), params, x, m
+        lambda p, x, m, c: adaptive_dyndepth(p, dil, patience, max_steps, x, m, c),
+        params,
+        x,
+        m,
+        cap,
     )
     check_interrupt("interrupted during the adaptive evaluation")
     (p_lax, s_lax), run_lax, comp_lax = _timed(
-        lambda p, x, m: adaptive_lax(p, dil, patience, max_steps, x, m), params, x, m
+        lambda p, x, m, c: adaptive_lax(p, dil, patience, max_steps, x, m, c),
+        params,
+        x,
+        m,
+        cap,
     )
     check_interrupt("interrupted during the adaptive evaluation")
     p_fix, run_fix, comp_fix = _timed(
@@ -348,7 +365,7 @@ def adaptive_eval(params, cfg, *, max_length=None, batch=None, max_steps=None, k
     ]
     return {
         "rule": f"stop when the predicted bits are unchanged for {patience} consecutive "
-        f"iterations (at most {max_steps})",
+        f"iterations, or after {cfg.stop_budget:g} iteration(s) per bit",
         "strings": batch,
         "min_length": cfg.adaptive_min_length,
         "max_length": max_length,

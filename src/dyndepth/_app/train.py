@@ -36,9 +36,14 @@ from dyndepth import nn as dnn
 from .args import Interrupted, interrupt_requested
 from .config import config_from_json, config_to_json, training_fields
 from .model import (
+    conv_eval,
+    core,
     cross_entropy,
+    head,
     init_params,
+    make_batch,
     make_mixed_batch,
+    project,
     sample_cross_entropy,
     think,
     think_batched,
@@ -68,11 +73,32 @@ def adamw_update(params, grads, opt, lr, *, weight_decay=2e-4, clip=1.0, b1=0.9,
     return jax.tree_util.tree_map(upd, params, m, v), {"m": m, "v": v, "t": t}, gnorm
 
 
-def learning_rate(step, cfg):
-    warm = max(1, int(0.03 * cfg.steps))
-    lr = cfg.lr * jnp.minimum(1.0, (step + 1) / warm)
-    lr = jnp.where(step >= int(0.75 * cfg.steps), lr * 0.1, lr)
-    return jnp.where(step >= int(0.9 * cfg.steps), lr * 0.1, lr)
+def learning_rate(step, cfg, converged_at):
+    """Linear warm-up over ``cfg.warmup`` steps, then ``cfg.lr`` until the run converged (see
+    :func:`make_validation`; ``converged_at`` is the step, -1 before), then ``0.1 * cfg.lr``
+    for the ``cfg.cooldown`` steps that remain."""
+    lr = cfg.lr * jnp.minimum(1.0, (step + 1) / max(1, cfg.warmup))
+    return jnp.where((converged_at >= 0) & (step >= converged_at), 0.1 * lr, lr)
+
+
+def make_validation(cfg):
+    """``params -> accuracy``: whole-string accuracy after ``M`` iterations on 256 fixed
+    strings of ``train_length`` bits. Training counts as converged once it reaches
+    ``cfg.converge_target``; the escape from the loss plateau comes after a number of steps
+    that varies a lot with the seed, so the run checks for it instead of guessing a step
+    count."""
+    x, t = make_batch(jax.random.PRNGKey(4242), 256, cfg.train_length)
+
+    @jax.jit
+    def accuracy(params):
+        h = project(params, x, None, conv_eval)
+        h = jax.lax.fori_loop(
+            0, cfg.max_iters, lambda i, h: core(params, h, x, cfg.dilations, None, conv_eval), h
+        )
+        pred = jnp.argmax(head(params, h, None, conv_eval), axis=-1)
+        return jnp.mean(jnp.all(pred == t, axis=-1))
+
+    return accuracy
 
 
 # ----------------------------------------------------------------------------- one step
@@ -182,15 +208,16 @@ def make_loss_and_grad(cfg, devices=1):
 
 
 def make_train_step(cfg, devices=1):
-    """The jitted training step ``(params, opt, key, step) -> (params, opt, loss, gnorm,
-    mean(n + k), executed, useful)``: :func:`make_loss_and_grad`, then the AdamW update (on the
-    replicated parameters and optimizer state when ``devices > 1``)."""
+    """The jitted training step ``(params, opt, key, step, converged_at) -> (params, opt, loss,
+    gnorm, mean(n + k), executed, useful)``: :func:`make_loss_and_grad`, then the AdamW update
+    (on the replicated parameters and optimizer state when ``devices > 1``)."""
     loss_and_grad = make_loss_and_grad(cfg, devices)
 
     @jax.jit
-    def train_step(params, opt, key, step):
+    def train_step(params, opt, key, step, converged_at):
         loss, grads, nk, executed, useful = loss_and_grad(params, key)
-        params, opt, gnorm = adamw_update(params, grads, opt, learning_rate(step, cfg))
+        lr = learning_rate(step, cfg, converged_at)
+        params, opt, gnorm = adamw_update(params, grads, opt, lr)
         return params, opt, loss, gnorm, nk, executed, useful
 
     return train_step
@@ -214,12 +241,13 @@ class ConfigMismatch(ValueError):
     """A checkpoint in ``--out`` was trained with another configuration."""
 
 
-def save_checkpoint(path, params, opt, step, cfg):
+def save_checkpoint(path, params, opt, step, cfg, converged_at=-1):
     flat = {}
     for prefix, tree in (("params", params), ("opt", opt)):
         for kp, leaf in jax.tree_util.tree_leaves_with_path(tree):
             flat[prefix + jax.tree_util.keystr(kp)] = np.asarray(leaf)
     flat["__step__"] = np.asarray(step)
+    flat["__converged_at__"] = np.asarray(converged_at)
     flat["__config__"] = np.asarray(json.dumps(config_to_json(cfg)))
     tmp = path + ".tmp.npz"
     np.savez(tmp, **flat)
@@ -250,7 +278,8 @@ def read_checkpoint_config(path):
 
 def load_checkpoint(path):
     """``(params, opt, step, cfg)`` from a checkpoint; raises :class:`BadCheckpoint` for a
-    missing, corrupt or foreign file or a directory."""
+    missing, corrupt or foreign file or a directory. :func:`checkpoint_converged_at` reads the
+    step at which the run converged."""
     data, cfg = _open_checkpoint(path)
     params = init_params(jax.random.PRNGKey(0), cfg.width)
     opt = adamw_init(params)
@@ -270,6 +299,11 @@ def load_checkpoint(path):
         raise BadCheckpoint(
             f"{path} is not a dyndepth demo checkpoint ({type(e).__name__}: {e})"
         ) from None
+
+
+def checkpoint_converged_at(path):
+    """The step at which the checkpoint's run converged, -1 if it has not."""
+    return int(_open_checkpoint(path)[0]["__converged_at__"])
 
 
 def check_resumable(path, cfg):
@@ -322,9 +356,12 @@ def train(cfg, out_dir, *, label="alpha=1", resume=True, stop_at=None, devices=1
     key = jax.random.PRNGKey(cfg.seed)
     step_fn = make_train_step(cfg, devices)  # validates ``devices`` before any work
     mesh = make_mesh(devices, cfg.batch)
+    validation = make_validation(cfg)
+    converged_at = -1
     if resume and os.path.exists(ckpt):
         check_resumable(ckpt, cfg)
         params, opt, start, _ = load_checkpoint(ckpt)
+        converged_at = checkpoint_converged_at(ckpt)
         log(f"[{label}] resuming from {ckpt} at step {start}")
     else:
         params = init_params(jax.random.fold_in(key, 1), cfg.width)
@@ -340,9 +377,12 @@ def train(cfg, out_dir, *, label="alpha=1", resume=True, stop_at=None, devices=1
     every = max(1, cfg.steps // 10)
     t_start = time.perf_counter()
     end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
-    for step in range(start, end):
+    if converged_at >= 0:
+        end = min(end, converged_at + cfg.cooldown)
+    step = start
+    while step < end:
         if interrupt_requested():  # Ctrl-C: keep the work done, stop cleanly
-            save_checkpoint(ckpt, params, opt, step, cfg)
+            save_checkpoint(ckpt, params, opt, step, cfg, converged_at)
             if bar is not None:
                 bar.close()
             raise Interrupted(
@@ -351,7 +391,11 @@ def train(cfg, out_dir, *, label="alpha=1", resume=True, stop_at=None, devices=1
             )
         t0 = time.perf_counter()
         params, opt, loss, gnorm, nk, ex, us = step_fn(
-            params, opt, jax.random.fold_in(key, 1000 + step), jnp.int32(step)
+            params,
+            opt,
+            jax.random.fold_in(key, 1000 + step),
+            jnp.int32(step),
+            jnp.int32(converged_at),
         )
         loss = float(loss)
         dt = time.perf_counter() - t0
@@ -366,15 +410,37 @@ def train(cfg, out_dir, *, label="alpha=1", resume=True, stop_at=None, devices=1
             bar.set_postfix(loss=f"{loss:.4f}", steps_per_s=f"{1.0 / max(dt, 1e-9):.1f}")
         elif step % every == 0:
             log(f"[{label}] step {step} loss {loss:.4f}")
-        if (step + 1) % every == 0 or step + 1 == cfg.steps:
-            save_checkpoint(ckpt, params, opt, step + 1, cfg)
+        if converged_at < 0 and (step + 1) % cfg.check_every == 0:
+            accuracy = float(validation(params))
+            if accuracy >= cfg.converge_target:
+                converged_at = step + 1
+                end = min(end, converged_at + cfg.cooldown)
+                message = (
+                    f"[{label}] converged at step {converged_at}: {100 * accuracy:.1f}% of "
+                    f"{cfg.train_length}-bit strings solved after M={cfg.max_iters} iterations; "
+                    f"{cfg.cooldown} more steps at a tenth of the learning rate"
+                )
+                if bar is not None:
+                    bar.write(message)
+                else:
+                    log(message)
+        step += 1
+        if step % every == 0 or step in (end, cfg.steps):
+            save_checkpoint(ckpt, params, opt, step, cfg, converged_at)
     if bar is not None:
         bar.close()
+    if converged_at < 0 and step == cfg.steps:
+        log(
+            f"[{label}] warning: training did not converge within {cfg.steps} steps (fewer than "
+            f"{100 * cfg.converge_target:g}% of the {cfg.train_length}-bit validation strings "
+            "solved): expect poor accuracy; another --seed or more --steps may help"
+        )
     wall = time.perf_counter() - t_start
     figures = {"train_seconds": wall, "final_loss": losses[-1] if losses else None}
-    figures["steps_run"] = end - start
+    figures["steps_run"] = step - start
+    figures["converged_at_step"] = converged_at if converged_at >= 0 else None
     figures["devices"] = devices
-    figures["per_device"] = per_device_work(executed, useful, cfg, end - start)
+    figures["per_device"] = per_device_work(executed, useful, cfg, step - start)
     figures["per_device_counts"] = (
         "forward sample-iterations of the n and k loops; executed as counted by "
         "dyndepth.repeat_batched (slots x loop iterations)"

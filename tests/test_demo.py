@@ -109,7 +109,7 @@ def test_masked_loss_ignores_the_padding():
 
 def test_demo_quick_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
-    assert _cli.main(["demo", "--quick", "--out", str(out)]) == 0
+    assert _cli.main(["demo", "--quick", "--control", "--out", str(out)]) == 0
     report = json.loads((out / "results.json").read_text())
     assert set(report["summary"]) == {"alpha=1", "alpha=0"}
     curves = report["curves"]["alpha=1"]

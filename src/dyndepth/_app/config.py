@@ -19,7 +19,7 @@ class Config:
     # training: strings of min_train_length..train_length bits (padded), n + k <= max_iters
     train_length: int = 64
     min_train_length: int = 4
-    max_iters: int = 12  # M
+    max_iters: int = 16  # M
     batch: int = 50
     # at most `steps` steps; once `converge_target` of the train_length-bit validation strings
     # are solved after M iterations (checked every `check_every` steps), `cooldown` more steps

@@ -2,16 +2,18 @@
 solves strings far longer than it was trained on by thinking longer, and let every string
 think exactly as long as it needs.
 
-The run (:func:`run_demo`): train the progressive-loss net (``alpha=1``) and the ``alpha=0``
-control (:mod:`~dyndepth._app.train`), evaluate the whole-string accuracy after every iteration
-count for each test length until it has held ``>= 99%`` over a 4x range of iterations, then run
-the adaptive evaluation on a batch of mixed lengths (:mod:`~dyndepth._app.evaluate`). Output: a
+The run (:func:`run_demo`): train the progressive-loss net (``alpha=1``; with ``--control`` also
+the ``alpha=0`` control, :mod:`~dyndepth._app.train`), evaluate the whole-string accuracy after
+every iteration count for each test length until it has held ``>= 99%`` over a 4x range of
+iterations, then run the adaptive evaluation on a batch of mixed lengths
+(:mod:`~dyndepth._app.evaluate`). Output: a
 progress bar, tables, ``accuracy.png``, ``adaptive.png``, ``results.json`` and checkpoints in
 the output folder. The task and model are in :mod:`~dyndepth._app.model`.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -40,13 +42,17 @@ def _log(*args):
     print(*args, flush=True)
 
 
-def evaluate_run(params, cfg, label, *, strings, log):
+def evaluate_run(params, cfg, label, *, strings, log, caps=None):
     """Accuracy curves for every length of ``cfg.eval_lengths`` (each until it has held over
-    ``cfg.eval_hold`` x its iterations, see :func:`~dyndepth._app.evaluate.accuracy_curve`)."""
+    ``cfg.eval_hold`` x its iterations, see :func:`~dyndepth._app.evaluate.accuracy_curve`, at
+    most ``caps[length]`` iterations when given)."""
     curves = {}
     for length in cfg.eval_lengths:
         t0 = time.perf_counter()
-        curves[int(length)] = accuracy_curve(params, cfg, length, strings, hold=cfg.eval_hold)
+        cap = None if caps is None else caps[int(length)]
+        curves[int(length)] = accuracy_curve(
+            params, cfg, length, strings, max_iters=cap, hold=cfg.eval_hold
+        )
         log(
             f"[{label}] {length} bits: {len(curves[int(length)])} iterations on {strings} "
             f"strings in {time.perf_counter() - t0:.0f} s"
@@ -54,7 +60,7 @@ def evaluate_run(params, cfg, label, *, strings, log):
     return curves
 
 
-def run_demo(cfg, out_dir, *, control=True, devices=1, log=None):
+def run_demo(cfg, out_dir, *, control=False, devices=1, log=None):
     log = log or _log
     t_run = time.perf_counter()
     os.makedirs(out_dir, exist_ok=True)
@@ -90,8 +96,12 @@ def run_demo(cfg, out_dir, *, control=True, devices=1, log=None):
     for label, c, strings in runs:
         ckpt = os.path.join(out_dir, f"{label}.ckpt.npz")
         t0 = time.perf_counter()
+        # the control is evaluated over the same iterations as the alpha=1 run (at most)
+        caps = None if label == "alpha=1" else {n: len(v) for n, v in curves["alpha=1"].items()}
         try:
-            curves[label] = evaluate_run(trained[label], c, label, strings=strings, log=log)
+            curves[label] = evaluate_run(
+                trained[label], c, label, strings=strings, log=log, caps=caps
+            )
         except Interrupted:
             raise Interrupted(
                 f"interrupted while evaluating {label}; training is complete in {out_dir} "
@@ -210,7 +220,13 @@ def add_arguments(p):
     p.add_argument("--lr", type=positive_float, help=f"peak learning rate (default {d.lr})")
     p.add_argument("--alpha", type=float, choices=[0.0, 1.0], default=d.alpha)
     p.add_argument("--per-sample", action="store_true", help="per-sample n and k (scheduler)")
-    p.add_argument("--no-control", action="store_true", help="skip the alpha=0 control run")
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help="also train and evaluate the alpha=0 control (the same recipe, but k = M "
+        "iterations with gradient at every step: more than doubles the run time)",
+    )
+    p.add_argument("--no-control", action="store_true", help=argparse.SUPPRESS)  # the default
     p.add_argument(
         "--devices",
         type=int_at_least(1),
@@ -274,7 +290,7 @@ def main_demo(a):
         print(f"batch {cfg.batch} (the default, rounded up to a multiple of --devices {devices})")
     out = a.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     try:
-        run_demo(cfg, out, control=not a.no_control, devices=devices)
+        run_demo(cfg, out, control=a.control, devices=devices)
     except ConfigMismatch as e:
         print(f"dyndepth demo: error: {e}", file=sys.stderr)
         return 2
@@ -285,7 +301,11 @@ def add_eval_arguments(ev):
     ev.add_argument("--checkpoint", required=True, help="a DIR/alpha=1.ckpt.npz file")
     ev.add_argument("--lengths", type=int_list(1), default=(32, 64, 128, 512))
     ev.add_argument(
-        "--iters", type=int_at_least(1), default=256, help="iterations 1..ITERS are evaluated"
+        "--iters",
+        type=int_at_least(1),
+        default=None,
+        help="evaluate iterations 1..ITERS (default: as the demo, until the accuracy has held "
+        ">= 99%% over a 4x range of iterations, at most the checkpoint's eval_max_iters)",
     )
     ev.add_argument(
         "--strings",
@@ -309,13 +329,21 @@ def main_eval(a):
         print(f"dyndepth eval: error: argument --checkpoint: {e}", file=sys.stderr)
         return 2
     strings = a.strings or cfg.eval_batch
-    cfg = replace(cfg, eval_lengths=tuple(a.lengths), eval_max_iters=a.iters)
+    cfg = replace(cfg, eval_lengths=tuple(a.lengths))
+    if a.iters is None:
+        how = f"until held over {cfg.eval_hold}x, at most {cfg.eval_max_iters} iterations"
+    else:
+        how = f"iterations 1..{a.iters}"
     print(
         f"checkpoint {a.checkpoint} (step {step}, width {cfg.width}, M={cfg.max_iters}); "
-        f"{strings} strings per length, iterations 1..{a.iters}",
+        f"{strings} strings per length, {how}",
         flush=True,
     )
-    curves = {int(n): accuracy_curve(params, cfg, n, strings, max_iters=a.iters) for n in a.lengths}
+    hold = cfg.eval_hold if a.iters is None else None
+    curves = {
+        int(n): accuracy_curve(params, cfg, n, strings, max_iters=a.iters, hold=hold)
+        for n in a.lengths
+    }
     print(table({"eval": summarize(curves, cfg, strings)}, cfg))
     out = {"curves": {str(k): v for k, v in curves.items()}}
     if a.adaptive:

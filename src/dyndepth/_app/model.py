@@ -18,7 +18,9 @@ has kernel 3 and SAME zero padding)::
 ``conv`` is written as one matmul over the three shifted copies of its input, which XLA:CPU
 differentiates far faster than ``lax.conv`` inside a loop body; the evaluation, which never
 differentiates, uses ``lax.conv_general_dilated`` (:func:`conv_eval`, the same function, faster
-forward). ``dilations`` gives the dilation of each of the four convs of the two blocks.
+forward). ``dilations`` gives the dilation of each of the four convs of the two blocks (the
+demo's 1, 2, 4, 8 let one iteration reach 16 positions on each side); the second conv of each
+block starts at zero.
 """
 
 from __future__ import annotations

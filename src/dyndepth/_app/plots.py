@@ -105,7 +105,7 @@ def plot_adaptive(res, path):
         fontsize=10,
     )
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

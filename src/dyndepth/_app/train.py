@@ -5,7 +5,9 @@ Progressive loss (alpha = 1, Bansal et al. 2022): for each batch draw ``(n, k)``
 gradient through ``dyndepth.nn.recurrent_depth``, cross-entropy at the end. The ``alpha = 0``
 control always runs ``M`` iterations with gradient. Training strings have mixed lengths (drawn
 per string from ``[min_train_length, train_length]``, padded and masked). AdamW (weight decay
-2e-4), global-norm clipping at 1, linear warm-up, step decay x0.1 at 75% and 90% of training.
+2e-4), global-norm clipping at 1, linear warm-up; every ``check_every`` steps a validation check
+(:func:`make_validation`), and once it passes ``cooldown`` more steps at a tenth of the learning
+rate, then the run stops (at most ``steps`` steps in all).
 With ``--per-sample`` every string draws its own ``n`` and ``k`` and both loops run through
 ``dyndepth.repeat_batched`` (the per-sample scheduler, which also counts the work it executes).
 

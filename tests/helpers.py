@@ -77,6 +77,17 @@ def expect_errors(cases, names, call):
             raise AssertionError(f"error case {name!r}: {e}") from e
 
 
+def applicable(strategy: str, checkpoints=None, slots=None) -> dict:
+    """The options a strategy takes: ``checkpoints`` for the reverse-mode strategies, ``slots``
+    for "auto" (the others reject them)."""
+    out = {}
+    if strategy in ("auto", "checkpointed"):
+        out["checkpoints"] = checkpoints
+    if strategy == "auto":
+        out["slots"] = slots
+    return out
+
+
 # ----------------------------------------------------------------------------- references
 
 

@@ -530,19 +530,13 @@ def test_hvp_unbatched(cfg):
     tree_allclose(out, expected, rtol=1e-4, atol=1e-4, err_msg="vs reference")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: jacfwd(grad(.)) / jax.hessian of an unbatched checkpointed loop raises: jacfwd "
-    "vmaps the jvp of the custom_vmap forward/backward over unbatched primals (seen: JAX's "
-    "custom_vmap jvp rule asserting on `kd=None`, an XLA buffer-size error, and 'mul got "
-    "incompatible shapes (9, 9, 3), (9, 3, 1)'); jvp(grad) and the loop under vmap work",
-)
 @pytest.mark.parametrize(
     "cfg,kind",
     [(("checkpointed", None), "tanh"), (("checkpointed", None), "dropout"), (("auto", 2), "tanh")],
     ids=["checkpointed-tanh", "checkpointed-dropout", "auto-K2-tanh"],
 )
 def test_forward_over_reverse_unbatched(cfg, kind):
+    """jacfwd(grad(.)) (the Hessian) of an unbatched loop, with and without checkpoints."""
     strategy, ckpt = cfg
 
     def loss(W, strategy=strategy, ckpt=ckpt):

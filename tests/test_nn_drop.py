@@ -78,12 +78,26 @@ def test_drop_path_gradient_is_the_scaled_mask():
     tree_allclose(g, jnp.broadcast_to(jnp.where(keep, 1 / (1 - rate), 0.0), X.shape))
 
 
-@pytest.mark.parametrize("rate", [-0.1, 1.0, 1.5, float("nan")])
+@pytest.mark.parametrize("rate", [-0.1, 1.5, float("nan")])
 def test_drop_path_rejects_rates_outside_unit_interval(rate):
-    with pytest.raises(ValueError, match=r"`rate` must lie in \[0, 1\), got"):
+    with pytest.raises(ValueError, match=r"`rate` must lie in \[0, 1\], got"):
         dnn.drop_path(X, KEY, rate)
-    with pytest.raises(ValueError, match=r"`rate` must lie in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"`rate` must lie in \[0, 1\]"):
         dnn.drop_path(X, KEY, jnp.float32(rate))
+
+
+@pytest.mark.parametrize("mode", ["row", "batch"])
+def test_rate_one_drops_everything_with_zero_gradients(mode):
+    """As timm and torchvision: rate 1 drops everything; a traced rate of 1 too, and its
+    gradients are zeros, not NaN."""
+    tree_allclose(dnn.drop_path(X, KEY, 1.0, mode=mode), jnp.zeros_like(X))
+    g = jax.grad(lambda x, r: jnp.sum(dnn.drop_path(x, KEY, r, mode=mode)), argnums=(0, 1))
+    gx, gr = jax.jit(g)(X, jnp.float32(1.0))
+    tree_allclose(gx, jnp.zeros_like(X))
+    assert np.isfinite(float(gr))
+    out = dnn.stochastic_residual(branch_of(W), X, KEY, 1.0, mode=mode)
+    tree_allclose(out, X)
+    tree_allclose(dnn.layer_drop(layer, PARAMS, X, KEY, 1.0, mode=mode, scale=True), X)
 
 
 def test_drop_path_argument_errors():
@@ -174,8 +188,8 @@ def test_stochastic_residual_errors():
         dnn.stochastic_residual(lambda x: x[:, :2], X, KEY, 0.1)
     with pytest.raises(ValueError, match=r"`capacity` must lie in \[1, B\] = \[1, 6\]"):
         dnn.stochastic_residual(branch_of(W), X, KEY, 0.1, mode="row", capacity=7)
-    with pytest.raises(ValueError, match=r"`rate` must lie in \[0, 1\), got 1.0"):
-        dnn.stochastic_residual(branch_of(W), X, KEY, 1.0)
+    with pytest.raises(ValueError, match=r"`rate` must lie in \[0, 1\], got 1.5"):
+        dnn.stochastic_residual(branch_of(W), X, KEY, 1.5)
     with pytest.raises(ValueError, match=r"`mode` must be one of"):
         dnn.stochastic_residual(branch_of(W), X, KEY, 0.1, mode="rows")
 
@@ -301,9 +315,9 @@ def test_layer_drop_deterministic_runs_every_layer():
 
 
 def test_layer_drop_errors():
-    with pytest.raises(ValueError, match=r"`rate` must lie in \[0, 1\), got 1.0"):
-        dnn.layer_drop(layer, PARAMS, X, KEY, 1.0)
-    with pytest.raises(ValueError, match=r"`rate` must lie in \[0, 1\), got -0.5 at index 2"):
+    with pytest.raises(ValueError, match=r"`rate` must lie in \[0, 1\], got 1.5"):
+        dnn.layer_drop(layer, PARAMS, X, KEY, 1.5)
+    with pytest.raises(ValueError, match=r"`rate` must lie in \[0, 1\], got -0.5 at index 2"):
         dnn.layer_drop(layer, PARAMS, X, KEY, jnp.array([0.1, 0.2, -0.5, 0.1, 0.1]))
     with pytest.raises(ValueError, match=r"`rate` must have shape \(\) or \(5,\), got shape"):
         dnn.layer_drop(layer, PARAMS, X, KEY, jnp.zeros((4,)))

@@ -132,8 +132,8 @@ def test_survival_schedule():
     tree_allclose(rates, jnp.array([0.125, 0.25, 0.375, 0.5], jnp.float32))
     tree_allclose(dnn.survival_schedule(3, 0.2, kind="uniform"), jnp.full((3,), 0.2))
     assert dnn.survival_schedule(0, 0.5).shape == (0,)
-    with pytest.raises(ValueError, match=r"`final_rate` must lie in \[0, 1\), got 1.0"):
-        dnn.survival_schedule(4, 1.0)
+    with pytest.raises(ValueError, match=r"`final_rate` must lie in \[0, 1\], got 1.5"):
+        dnn.survival_schedule(4, 1.5)
     with pytest.raises(ValueError, match=r"`kind` must be one of \('linear', 'uniform'\)"):
         dnn.survival_schedule(4, 0.1, kind="exp")
     with pytest.raises(ValueError, match=r"`num_layers` must be >= 0, got -1"):

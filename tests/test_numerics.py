@@ -11,7 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import reference_repeat, reference_scan, reference_while, tree_allclose, tree_equal
+from helpers import (
+    applicable,
+    reference_repeat,
+    reference_scan,
+    reference_while,
+    tree_allclose,
+    tree_equal,
+)
 from jax import lax
 
 import dyndepth as dd
@@ -378,7 +385,7 @@ def test_low_precision_carries(dtype):
             )
         return jax.vmap(
             lambda x, d, k: dd.repeat(
-                lp_body(W), x, d, max_depth=5, key=k, strategy=s, checkpoints=2
+                lp_body(W), x, d, max_depth=5, key=k, strategy=s, **applicable(s, 2)
             )
         )(X, D_LP, keys)
 
@@ -559,7 +566,7 @@ def test_per_sample_key_schedule_under_vmap_and_scheduler():
         for s in STRATEGIES:
             out[f"repeat-{s}"] = jax.vmap(
                 lambda c, d, k, s=s: dd.repeat(
-                    record, c, d, max_depth=KMAX, key=k, strategy=s, slots=2
+                    record, c, d, max_depth=KMAX, key=k, strategy=s, **applicable(s, slots=2)
                 )
             )(init, depths, keys)[1]
             out[f"scan-{s}"] = jax.vmap(
@@ -571,7 +578,7 @@ def test_per_sample_key_schedule_under_vmap_and_scheduler():
                     length=KMAX,
                     key=k,
                     strategy=s,
-                    slots=3,
+                    **applicable(s, slots=3),
                 )[1]
             )(depths, keys)
             # A per-sample stop: the carry's counter reaches the sample's depth.

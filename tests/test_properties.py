@@ -19,8 +19,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import reference_repeat, reference_scan, reference_while, tree_allclose
-from hypothesis import HealthCheck, given, settings
+from helpers import applicable, reference_repeat, reference_scan, reference_while, tree_allclose
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
 
@@ -34,6 +34,9 @@ GTOL = dict(rtol=1e-4, atol=1e-4)
 SETTINGS = dict(
     deadline=None,
     database=None,
+    # Every example compiles; shrinking a failure can take many minutes. The failing example is
+    # reported as drawn.
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
@@ -187,7 +190,7 @@ def repeat_all(cfg: Config, traces: list):
 
             def one(c, d, k, s=s):
                 k = k if cfg.use_key else None
-                opts = dict(max_depth=M, key=k, strategy=s, checkpoints=ck, slots=slots)
+                opts = dict(max_depth=M, key=k, strategy=s, **applicable(s, ck, slots))
                 return dd.repeat(f, c, d, **opts)
 
             out[f"vmap-{s}"] = jax.vmap(one)(inits, depths, keys)
@@ -257,7 +260,7 @@ def scan_while_all(cfg: Config, traces: list):
 
                 fn = g if cfg.use_key else (lambda c, x: g(c, x))
                 k = k if cfg.use_key else None
-                opts = dict(depth=d, key=k, strategy=s, checkpoints=ck, slots=slots)
+                opts = dict(depth=d, key=k, strategy=s, **applicable(s, ck, slots))
                 return dd.scan(fn, c, xs, **opts)
 
             def one_while(c, d, k, s=s):
@@ -274,9 +277,8 @@ def scan_while_all(cfg: Config, traces: list):
                     max_steps=M,
                     key=k,
                     strategy=s,
-                    checkpoints=ck,
-                    slots=slots,
                     return_steps=True,
+                    **applicable(s, ck, slots),
                 )
 
             out[f"scan-vmap-{s}"] = jax.vmap(one_scan)(inits, depths, keys)
@@ -357,7 +359,7 @@ def grads_all(cfg: Config, traces: list):
 
         def opts(k, s):
             k = k if cfg.use_key else None
-            return dict(max_depth=M, key=k, strategy=s, checkpoints=ck, slots=slots)
+            return dict(max_depth=M, key=k, strategy=s, **applicable(s, ck, slots))
 
         out = {}
         for s in GRAD_STRATEGIES:
@@ -448,7 +450,7 @@ def test_check_grads_reverse_mode(batch, checkpoints, slots, depth_lists, kind):
     X = jnp.asarray(np.random.default_rng(batch).normal(size=(batch, 3)), jnp.float32)
     N = jnp.zeros((batch,), jnp.int32)
     keys = jax.random.split(jax.random.key(7), batch)
-    opts = dict(max_depth=M, checkpoints=checkpoints, slots=slots)
+    opts = dict(max_depth=M, checkpoints=checkpoints)
 
     @jax.jit
     def loss(X, W, depths):
@@ -459,11 +461,14 @@ def test_check_grads_reverse_mode(batch, checkpoints, slots, depth_lists, kind):
             )
             return jnp.sum(jnp.sin(x))
         if kind == "batched":
-            x, _ = dd.repeat_batched(f, (X, N), depths[:batch], keys=keys, **opts)
+            x, _ = dd.repeat_batched(f, (X, N), depths[:batch], keys=keys, slots=slots, **opts)
         else:
             strategy = kind.split("-")[1]
+            more = applicable(strategy, checkpoints, slots)
             x, _ = jax.vmap(
-                lambda x, n, d, k: dd.repeat(f, (x, n), d, key=k, strategy=strategy, **opts)
+                lambda x, n, d, k: dd.repeat(
+                    f, (x, n), d, max_depth=M, key=k, strategy=strategy, **more
+                )
             )(X, N, depths[:batch], keys)
         return jnp.sum(jnp.sin(x))
 

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_batching import custom_vmap
 
-STRATEGIES = ("auto", "masked", "while", "checkpointed")
-
+from ._types import STRATEGIES
 
 INT32_MAX = 2**31 - 1
 
@@ -53,6 +54,15 @@ def strategy_arg(strategy: Any) -> str:
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise ValueError(f"`strategy` must be one of {STRATEGIES}, got {strategy!r}")
     return strategy
+
+
+def bool_arg(value: Any, name: str) -> bool:
+    """A static Python bool (NumPy bools accepted)."""
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(
+            f"`{name}` must be a static Python bool, got {type(value).__name__}: {value!r}"
+        )
+    return bool(value)
 
 
 def callable_arg(f: Any, name: str) -> None:
@@ -116,28 +126,25 @@ def keystr(path: Any) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 
 
-def carry_matches(init: Any, out: Any, fname: str) -> None:
-    """Raise a TypeError naming the first leaf where ``out`` differs from ``init``."""
-    init_tree = jax.tree_util.tree_structure(init)
-    out_tree = jax.tree_util.tree_structure(out)
-    if init_tree != out_tree:
+def same_structure(expected: Any, got: Any, fname: str, what: str) -> None:
+    """Raise a TypeError naming the first leaf where ``got`` (what ``fname`` returned) differs
+    from ``expected`` (its input ``what``) in pytree structure, shape or dtype."""
+    t_exp = jax.tree_util.tree_structure(expected)
+    t_got = jax.tree_util.tree_structure(got)
+    if t_exp != t_got:
         raise TypeError(
-            f"`{fname}` must return a carry with the same pytree structure as `init`; "
-            f"`init` has structure {init_tree} but `{fname}` returned {out_tree}"
+            f"`{fname}` must return {what} with the same pytree structure as its input; "
+            f"expected {t_exp}, got {t_got}"
         )
-    init_leaves = jax.tree_util.tree_leaves_with_path(init)
-    out_leaves = jax.tree_util.tree_leaves(out)
-    for (path, a), b in zip(init_leaves, out_leaves, strict=True):
-        if tuple(a.shape) != tuple(b.shape) or np.dtype(a.dtype) != np.dtype(b.dtype):
+    leaves = jax.tree_util.tree_leaves_with_path(expected)
+    for (path, a), b in zip(leaves, jax.tree_util.tree_leaves(got), strict=True):
+        sa, sb = tuple(jnp.shape(a)), tuple(jnp.shape(b))
+        da, db = getattr(a, "dtype", None), getattr(b, "dtype", None)
+        if sa != sb or da != db:
             raise TypeError(
-                f"`{fname}` must keep the shape and dtype of every carry leaf; at carry"
-                f"{keystr(path)} `init` has {a.dtype}{list(a.shape)} but `{fname}` returned "
-                f"{b.dtype}{list(b.shape)}"
-                + (
-                    " (cast the output with .astype(init.dtype))"
-                    if tuple(a.shape) == tuple(b.shape)
-                    else ""
-                )
+                f"`{fname}` must keep the shape and dtype of {what}; at {what}{keystr(path)} "
+                f"the input is {da}{list(sa)} but `{fname}` returned {db}{list(sb)}"
+                + (" (cast the output with .astype(...))" if sa == sb else "")
             )
 
 
@@ -154,8 +161,8 @@ def batch_counts_arg(
         raise TypeError(f"`{name}` must be an integer array of shape (B,), got {value!r}")
     if not jnp.issubdtype(dtype, jnp.integer) or np.dtype(dtype) == np.bool_:
         raise TypeError(f"`{name}` must have an integer dtype, got dtype {dtype}")
-    if len(shape) != 1 or shape[0] == 0:
-        raise ValueError(f"`{name}` must have shape (B,) with B >= 1, got shape {tuple(shape)}")
+    if len(shape) != 1:
+        raise ValueError(f"`{name}` must have shape (B,), got shape {tuple(shape)}")
     if not isinstance(value, jax.core.Tracer):
         arr = np.asarray(value)
         bad = np.nonzero((arr < 0) | (arr > max_value))[0]
@@ -202,10 +209,6 @@ def runtime_range_check(value: jax.Array, name: str, max_name: str, max_value: i
     Under ``vmap`` the whole batch is checked at once, so the message gives the batch index of the
     first offending value. The error surfaces from the jitted call as a runtime error whose
     message contains the ValueError's text."""
-    import functools
-
-    from jax.custom_batching import custom_vmap
-
     report = functools.partial(_raise_out_of_range, name, max_name, max_value)
 
     @custom_vmap

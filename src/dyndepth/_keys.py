@@ -10,6 +10,7 @@ drawn.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -25,8 +26,15 @@ def is_typed_key(key: Any) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+def _raw_key_shape() -> tuple[int, ...]:
+    """The shape of a raw key (``jax.random.PRNGKey``) under the default PRNG implementation:
+    (2,) for threefry, (4,) for rbg and unsafe_rbg."""
+    return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+
+
 def check_key(key: Any, name: str = "key") -> None:
-    """Raise a TypeError unless ``key`` is one PRNG key: typed, or a raw ``uint32[2]``."""
+    """Raise a TypeError unless ``key`` is one PRNG key: typed, or raw ``uint32`` data of the
+    default implementation's shape."""
     if is_typed_key(key):
         if key.shape != ():
             raise TypeError(
@@ -41,11 +49,30 @@ def check_key(key: Any, name: str = "key") -> None:
             f"`{name}` must be a PRNG key from jax.random.key or jax.random.PRNGKey, "
             f"got {type(key).__name__}: {key!r}"
         )
-    if np.dtype(dtype) != np.uint32 or tuple(shape) != (2,):
+    raw = _raw_key_shape()
+    if np.dtype(dtype) != np.uint32 or tuple(shape) != raw:
         raise TypeError(
             f"`{name}` must be a PRNG key from jax.random.key or jax.random.PRNGKey: a typed "
-            f"key or a uint32 array of shape (2,); got dtype {dtype} and shape {tuple(shape)}"
+            f"key or a uint32 array of shape {raw} (the default PRNG implementation's); got "
+            f"dtype {dtype} and shape {tuple(shape)}"
         )
+
+
+def _check_index(i: Any) -> None:
+    if isinstance(i, bool | np.bool_):
+        raise TypeError(f"`i` must be a non-negative integer step index, got bool: {i!r}")
+    if isinstance(i, int | np.integer):
+        if int(i) < 0 or int(i) > 2**32 - 1:
+            raise ValueError(f"`i` must be a step index in [0, 2**32 - 1], got {int(i)}")
+        return
+    dtype = getattr(i, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer) or np.dtype(dtype) == np.bool_:
+        raise TypeError(
+            f"`i` must be a non-negative integer step index (Python int or integer array), got "
+            f"{type(i).__name__}: {i!r}"
+        )
+    if not isinstance(i, jax.core.Tracer) and np.any(np.asarray(i) < 0):
+        raise ValueError(f"`i` must be a non-negative step index, got {np.asarray(i)}")
 
 
 def step_key(key: Any, i: Any) -> Any:
@@ -57,31 +84,36 @@ def step_key(key: Any, i: Any) -> Any:
 
     **Transformations:** jit, vmap (over ``key`` and/or ``i``); keys carry no gradient.
 
-    **Raises:** ``TypeError`` if ``key`` is not a PRNG key.
+    **Raises:** ``TypeError`` if ``key`` is not a PRNG key or ``i`` is not an integer;
+    ``ValueError`` for a concrete negative ``i``.
 
     Example::
 
         k3 = dyndepth.step_key(key, 3)  # what step 3 of repeat(f, x, d, key=key, ...) receives
     """
     check_key(key)
+    _check_index(i)
     return jax.random.fold_in(key, i)
 
 
+@dataclasses.dataclass(frozen=True)
 class KeySchedule:
-    """Carries a loop's key through custom_vjp/custom_vmap boundaries as plain ``uint32`` data.
+    """How a loop's key travels through the loop internals: as plain ``uint32`` key data (which
+    has no tangent and batches like any other array), rewrapped with its implementation when a
+    step draws its key. ``impl`` is None for raw keys (``jax.random.PRNGKey``)."""
 
-    Typed keys are unwrapped with ``jax.random.key_data`` and rewrapped with their implementation
-    inside the loop, so the loop internals only ever see integer arrays (which have no tangent
-    and batch like any other array).
-    """
+    impl: Any = None
 
-    def __init__(self, key: Any):
-        self.typed = is_typed_key(key)
-        self.impl = jax.random.key_impl(key) if self.typed else None
-        self.data = jax.random.key_data(key) if self.typed else jnp.asarray(key)
+    @staticmethod
+    def of(key: Any) -> KeySchedule:
+        return KeySchedule(jax.random.key_impl(key) if is_typed_key(key) else None)
+
+    def data(self, key: Any) -> jax.Array:
+        """The key data of ``key`` (any batch shape)."""
+        return jax.random.key_data(key) if self.impl is not None else jnp.asarray(key)
 
     def key_at(self, data: jax.Array, i: jax.Array) -> Any:
         """The key of step ``i``, from the key data of one sample."""
-        if self.typed:
+        if self.impl is not None:
             return jax.random.fold_in(jax.random.wrap_key_data(data, impl=self.impl), i)
         return jax.random.fold_in(data, i)

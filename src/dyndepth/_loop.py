@@ -7,223 +7,96 @@ and in the stop rule.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
 
-from . import _checks, _vma
-from ._engine import STRATEGY_FNS, Problem, run_batch, step_consts
+from . import _checks, _masked, _primitives, _vma
 from ._keys import KeySchedule, check_key
+from ._step import StepKind, trace_loop
+from ._types import Strategy
 
 __all__ = ["repeat", "repeat_batched", "scan", "while_loop"]
 
-Strategy = Literal["auto", "masked", "while", "checkpointed"]
+
+def _key_parts(key: Any, name: str) -> tuple[KeySchedule | None, Any, Any]:
+    """``(schedule, key data, abstract step key)`` for a loop's key (all None without one)."""
+    if key is None:
+        return None, None, None
+    check_key(key, name)
+    keys = KeySchedule.of(key)
+    data = keys.data(key)
+    # Abstract, with no sharding type: under an Explicit mesh the key data is typed with its
+    # sharding, which the step (run per device, inside shard_map) must not pin.
+    plain = jax.ShapeDtypeStruct(data.shape, data.dtype)
+    example = jax.eval_shape(lambda d: keys.key_at(d, jnp.zeros((), jnp.int32)), plain)
+    return keys, data, example
 
 
-def _strong(x: Any) -> jax.Array:
-    x = jnp.asarray(x)
-    return lax.convert_element_type(x, x.dtype) if getattr(x, "weak_type", False) else x
+def _names_in(jaxpr: Any) -> set:
+    """Axis names that collectives and ``axis_index`` in ``jaxpr`` refer to."""
+    names: set = set()
+    for eqn in jaxpr.eqns:
+        for param in ("axes", "axis_name"):
+            value = eqn.params.get(param)
+            values = value if isinstance(value, tuple | list) else (value,)
+            names.update(v for v in values if isinstance(v, str))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            names |= _names_in(sub)
+    return names
 
 
-def _hoist(fn: Callable, *example_args: Any):
-    """Closure-convert ``fn``: every value it closes over becomes an explicit argument.
-
-    Unlike ``jax.closure_convert`` this hoists *all* constants, tracers of an enclosing ``vmap``
-    included, so the loop internals (custom_vjp / custom_vmap) never close over a tracer.
-
-    Inside ``jax.shard_map`` the examples are traced as varying over the manual mesh axes, like
-    the loop state they stand for, and the arguments are made varying before each call.
-    """
-    example_args = jax.tree_util.tree_map(_vma.varying_example, example_args)
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*example_args)
-    jaxpr, consts = closed.jaxpr, list(closed.consts)
-    out_tree = jax.tree_util.tree_structure(out_shape)
-
-    def call(consts, *args):
-        leaves = _vma.vary(jax.tree_util.tree_leaves(args))
-        out = _vma.eval_jaxpr(jaxpr, consts, *leaves)
-        return jax.tree_util.tree_unflatten(out_tree, out)
-
-    return call, consts, out_shape
+def _uses_vmap_axis(loop: Any) -> bool:
+    """Whether the step or predicate uses the axis of an enclosing ``vmap`` (a collective or
+    ``axis_index`` over it): then every sample must step in lockstep with the others."""
+    names = _names_in(loop.step_jaxpr.jaxpr)
+    if loop.cond_jaxpr is not None:
+        names |= _names_in(loop.cond_jaxpr.jaxpr)
+    in_scope = set(jax.extend.core.unsafe_get_axis_names_DO_NOT_USE()) - set(_vma.manual_axes())
+    return bool(names & in_scope)
 
 
-def _carry_step(f: Callable, with_key: bool) -> Callable:
-    """``f(carry[, key]) -> carry`` as a step ``(carry, x, key) -> (carry, None)``."""
-    if with_key:
-        return lambda carry, x, k: (f(carry, k), None)
-    return lambda carry, x, k: (f(carry), None)
-
-
-def _aval(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
-
-
-def _build(
-    *,
-    step_fn: Callable,
-    fname: str,
-    init: Any,
-    xs: Any,
-    length: int,
-    n: jax.Array,
-    key: Any,
-    cond_fn: Callable | None,
-    strategy: str,
-    checkpoints: int | None,
-    slots: int | None = None,
-    batch: bool = False,
-    stacked: Any = None,
-):
-    """Validate, closure-convert and run. Returns ``(carry, ys, steps, stats)``.
-
-    With ``batch``, ``init``, ``n`` and ``key`` carry a leading batch axis (``xs`` must be None)
-    and the loop runs as one explicitly batched custom_vjp (see ``run_batch``).
-
-    With ``stacked`` (a pytree of arrays with a common leading axis), ``step_fn`` takes a fourth
-    argument, the slice of ``stacked`` at the step's first ``xs`` leaf (an int32 index): the
-    engine does the slicing, so its stored-residual path can reference the slice instead of
-    storing it (see ``Problem.stacked``)."""
+def _run(kind: StepKind, fn: Callable, cond_fn: Callable | None, init: Any, xs: Any, n: Any,
+         key: Any, stacked: Any = None, *, length: int, strategy: str,
+         checkpoints: int | None, slots: int | None):  # fmt: skip
+    """Trace the step, pick the strategy's runner and run. Returns ``(carry, ys, steps,
+    stats)`` as the user's pytrees."""
     strategy = _checks.strategy_arg(strategy)
-    init = jax.tree_util.tree_map(_strong, init)
-    carry_leaves, carry_tree = jax.tree_util.tree_flatten(init)
-    xs_leaves, xs_tree = jax.tree_util.tree_flatten(xs)
-    x_example = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs)
-
-    keys = None
-    # A placeholder when there is no key: custom_vmap's jvp rule cannot take None arguments.
-    kd = jnp.zeros((), jnp.uint32)
-    key_example = None
-    if key is not None:
-        check_key(
-            jax.ShapeDtypeStruct(key.shape[1:], key.dtype) if batch else key,
-            "keys[0]" if batch else "key",
+    if checkpoints is not None and strategy not in ("auto", "checkpointed"):
+        raise ValueError(
+            f"`checkpoints`={checkpoints} applies to strategy 'auto' and 'checkpointed' only "
+            f"(strategy={strategy!r} stores nothing per step); drop it or change the strategy"
         )
-        keys = KeySchedule(key)
-        kd = keys.data
-        # Abstract, like the other examples: a key example built from the real key data would
-        # carry that data's sharding type inside ``shard_map`` (varying over the mesh) while the
-        # carry example does not, and the traced step would then pin a cast between the two.
-        kd_example = jax.ShapeDtypeStruct(kd.shape[1:] if batch else kd.shape, kd.dtype)
-        key_example = jax.eval_shape(lambda d: keys.key_at(d, jnp.zeros((), jnp.int32)), kd_example)
-    elif batch:
-        kd = jnp.zeros(n.shape, jnp.uint32)
-
-    # Under jit, arrays placed on a mesh with Explicit axes are typed with its shardings: the
-    # step is then traced with those types (its own reshards included), and the loop's
-    # buffers take them (see below).
-    typed = not _vma.manual_axes() and _vma.mesh_typed((init, xs))
-
-    def sample_aval(a):
-        if typed:
-            return _vma.typed_aval(a, drop_lead=batch)
-        return jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)) if batch else _aval(a)
-
-    if typed:
-        x_example = jax.tree_util.tree_map(lambda a: _vma.typed_aval(a, drop_lead=True), xs)
-    init_example = jax.tree_util.tree_map(sample_aval, init)
-    stacked_leaves, stacked_tree = jax.tree_util.tree_flatten(stacked)
-    S = len(stacked_leaves)
-    if S:
-        p_example = jax.tree_util.tree_map(
-            lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stacked
+    if slots is not None and strategy != "auto":
+        raise ValueError(
+            f"`slots`={slots} sets the per-sample scheduler of strategy 'auto' only, got "
+            f"strategy={strategy!r}; drop it or use strategy='auto'"
         )
-        call, consts, out_shape = _hoist(step_fn, init_example, x_example, key_example, p_example)
-    else:
-        call, consts, out_shape = _hoist(step_fn, init_example, x_example, key_example)
-    new_carry_shape, y_shape = out_shape
-    _checks.carry_matches(init_example, new_carry_shape, fname)
-    y_leaves_shape, y_tree = jax.tree_util.tree_flatten(y_shape)
-    dtypes = [a.dtype for a in carry_leaves]
-
-    def inner(consts, c_leaves, x_leaves, k):
-        carry = jax.tree_util.tree_unflatten(carry_tree, c_leaves)
-        x = jax.tree_util.tree_unflatten(xs_tree, x_leaves)
-        if S:
-            p = jax.tree_util.tree_unflatten(stacked_tree, consts[:S])
-            new_carry, y = call(consts[S:], carry, x, k, p)
-        else:
-            new_carry, y = call(consts, carry, x, k)
-        new_leaves = [
-            jnp.asarray(a).astype(d)
-            for a, d in zip(jax.tree_util.tree_leaves(new_carry), dtypes, strict=True)
-        ]
-        return new_leaves, jax.tree_util.tree_leaves(y)
-
-    def step(consts, c_leaves, x_leaves, k):
-        return inner(step_consts(S, consts, x_leaves), c_leaves, x_leaves, k)
-
-    cond = None
-    cconsts: list[Any] = []
-    if cond_fn is not None:
-        ccall, cconsts, c_out = _hoist(cond_fn, init_example)
-        c_leaves = jax.tree_util.tree_leaves(c_out)
-        if len(c_leaves) != 1 or c_leaves[0].shape != () or np.dtype(c_leaves[0].dtype) != np.bool_:
-            got = ", ".join(f"{a.dtype}{list(a.shape)}" for a in c_leaves) or "nothing"
-            raise TypeError(
-                f"`cond_fun` must return a boolean scalar, got {got}; under vmap, write it for "
-                "one sample"
-            )
-
-        def cond(cc, c_leaves):
-            return ccall(cc, jax.tree_util.tree_unflatten(carry_tree, c_leaves))
-
-    prob = Problem(
-        step=step,
-        cond=cond,
-        carry_avals=tuple(sample_aval(a) for a in carry_leaves),
-        x_avals=tuple(jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in xs_leaves),
-        y_avals=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in y_leaves_shape),
-        max_steps=length,
-        checkpoints=checkpoints,
-        keys=keys,
-        schedule=strategy == "auto",
-        sched_slots=slots,
-        stacked=S,
-        inner=inner if S else None,
-    )
-    consts = list(stacked_leaves) + list(consts)
-    if not _vma.manual_axes() and _vma.mesh_typed((consts, cconsts, carry_leaves, xs_leaves, kd)):
-        # Under jit with Explicit mesh axes the loop's buffers take the types (shardings) of
-        # the values written into them: the carry's, and the step outputs' as traced here.
-        carry_t = tuple(_vma.typed_aval(a, drop_lead=batch) for a in carry_leaves)
-        y_t = prob.y_avals
-        if not batch and prob.y_avals and length > 0:
-            key0 = None if keys is None else keys.key_at(kd, jnp.zeros((), jnp.int32))
-            y_t = tuple(
-                jax.eval_shape(
-                    lambda c, cl, xl: step(c, cl, [a[0] for a in xl], key0)[1],
-                    consts,
-                    list(carry_t),
-                    xs_leaves,
-                )
-            )
-        prob = dataclasses.replace(prob, carry_avals=carry_t, y_avals=y_t)
+    keys, kd, key_example = _key_parts(key, "key")
+    traced = trace_loop(
+        kind, fn, cond_fn, init, xs, keys, key_example, stacked,
+        max_steps=length, checkpoints=checkpoints, strategy=strategy, slots=slots,
+    )  # fmt: skip
+    loop = traced.loop
+    operands = (traced.consts, traced.cconsts, traced.init, traced.xs, n, kd)
     if length == 0:
-        lead = n.shape if batch else ()
-        ys = [jnp.zeros(lead + (0,) + a.shape, a.dtype) for a in prob.y_avals]
-        carry_out, steps = carry_leaves, jnp.zeros(lead, jnp.int32)
-        stats = jnp.zeros((2,), jnp.int32)
+        ys = [jnp.zeros((0,) + a.shape, a.dtype) for a in loop.y_avals]
+        carry, steps, stats = traced.init, jnp.zeros((), jnp.int32), jnp.zeros((2,), jnp.int32)
+    elif strategy == "masked" or _uses_vmap_axis(loop):
+        carry, ys, steps, stats = _masked.run(loop, *operands)
     else:
         # Under jit, arrays placed on a mesh with Explicit axes are typed with it: the loop's
         # own buffers are then created under that mesh too (as under jax.set_mesh).
-        with _vma.mesh_context((consts, cconsts, carry_leaves, xs_leaves, kd)):
-            if batch:
-                carry_out, ys, steps, stats = run_batch(prob, consts, carry_leaves, n, kd)
-            else:
-                carry_out, ys, steps, stats = STRATEGY_FNS[strategy](
-                    prob, consts, cconsts, carry_leaves, xs_leaves, n, kd
-                )
-    return (
-        jax.tree_util.tree_unflatten(carry_tree, list(carry_out)),
-        jax.tree_util.tree_unflatten(y_tree, list(ys)),
-        steps,
-        stats,
-    )
+        with _vma.mesh_context(operands):
+            carry, ys, steps, stats = _primitives.run(loop, *operands)
+    return traced.carry_out(carry), traced.ys_out(ys), steps, stats
+
+
+def _carry_kind(with_key: bool, fname: str) -> StepKind:
+    return StepKind(with_x=False, with_key=with_key, with_stacked=False, returns_y=False,
+                    fname=fname)  # fmt: skip
 
 
 def repeat(
@@ -263,35 +136,41 @@ def repeat(
       receives ``dyndepth.step_key(key, i) == jax.random.fold_in(key, i)``.
     - ``strategy``: ``"auto"`` (default), ``"masked"``, ``"while"`` or ``"checkpointed"``:
 
-      ==============  =========================================  =================================
-      strategy        transformations                            cost
-      ==============  =========================================  =================================
-      ``"masked"``    jit, vmap, grad, jvp, all orders           ``max_depth`` steps always
-                                                                 (the seed's scan + cond); under
-                                                                 vmap, shared parameters are
-                                                                 broadcast to the batch
-      ``"while"``     jit, vmap, jvp/jacfwd; reverse mode        ``depth`` steps
-                      raises a TypeError
-      ``"checkpoint   jit, vmap, grad/vjp/jacrev; forward-   forward and backward follow
-      ed"``           over-reverse only under vmap (JAX's        ``depth``: ``depth`` step
-                      custom_vmap jvp rule fails otherwise);     evaluations unbatched (stored
-                      not jvp of the loop itself                 residuals), ``2 * depth`` under
-                                                                 vmap (stored carries); see
-                                                                 ``checkpoints``
-      ``"auto"``      as ``"checkpointed"``                      as ``"checkpointed"``, and under
-                                                                 ``vmap`` with per-sample depths
-                                                                 the per-sample scheduler: work
-                                                                 close to ``sum(depth)``, forward
-                                                                 and backward
-      ==============  =========================================  =================================
+      ==================  ==========================================  =========================
+      strategy            transformations                             cost
+      ==================  ==========================================  =========================
+      ``"auto"``          jit, vmap, grad, vjp, jacrev, jvp, jacfwd,  forward and backward
+                          hessian (forward over reverse), reverse     follow ``depth``; under
+                          over forward; every order of vmap and       ``vmap`` with per-sample
+                          differentiation. Not reverse over reverse   depths the per-sample
+                          (``grad(grad(f))``: a TypeError saying      scheduler: work close to
+                          what to use)                                ``sum(depth)``
+      ``"checkpointed"``  as ``"auto"``                               as ``"auto"``, but under
+                                                                      ``vmap`` the batch runs
+                                                                      until its deepest sample
+                                                                      is done (``B *
+                                                                      max(depth)``)
+      ``"masked"``        everything, every order (plain ``lax``)     ``max_depth`` steps
+                                                                      always (the seed's scan +
+                                                                      cond); under ``vmap``,
+                                                                      shared parameters are
+                                                                      broadcast to the batch
+      ``"while"``         jit, vmap, jvp, jacfwd; reverse mode        ``depth`` steps, nothing
+                          raises a TypeError                          stored
+      ==================  ==========================================  =========================
 
-      Under ``vmap`` with per-sample depths, ``"while"`` and ``"checkpointed"`` run the batch
-      until its deepest sample is done, masking finished samples (``B * max(depth)`` sample
-      steps); ``"auto"`` schedules samples into slots (about ``sum(depth)``). Parameters shared
-      by the batch are never broadcast, and their gradient is summed inside the backward loop.
-      Under ``jit`` with the vmapped batch sharded over ``Explicit`` mesh axes, ``"auto"`` and
-      ``"checkpointed"`` run one loop per device on its shard, inside a ``jax.shard_map`` they
-      enter themselves (README, "Scaling out").
+      Under ``jax.grad`` of a ``jax.vmap`` of the loop, a parameter the step closes over is
+      shared by the batch: it is never broadcast, and its gradient is summed inside the
+      backward loop (one accumulator, as in :func:`repeat_batched`). Under ``jax.vmap`` of
+      ``jax.grad``, every sample's gradient is its own, as that composition means. Only what is
+      differentiated is differentiated: parameters no tangent reaches stay constants of the
+      backward pass (a step may apply ops without a derivative rule to them). A step or
+      predicate that uses the enclosing ``vmap``'s axis (a collective such as ``lax.pmean``,
+      or ``lax.axis_index``) makes the samples step in lockstep: that loop runs as
+      ``"masked"`` whatever the strategy (values and gradients of the lockstep loop, cost
+      ``max_depth``). Under ``jit`` with the vmapped batch sharded over ``Explicit`` mesh
+      axes, ``"auto"`` and ``"checkpointed"`` run one loop per device on its shard, inside a
+      ``jax.shard_map`` they enter themselves (README, "Scaling out").
     - ``checkpoints``: ``None`` stores something for every step. Unbatched (outside ``vmap``
       and ``shard_map``), the step's *residuals*, the values its vjp needs, as ``lax.scan``
       stores them, except that parameters the step closes over (and, in ``dyndepth.nn``, the
@@ -311,7 +190,8 @@ def repeat(
       at run time among ``B, B/2, B/4, B/8`` the largest count that the depths keep busy
       (``<= 1.1 * sum(depth) / max(depth)``), one compiled branch each; batches of 8 or fewer
       run unscheduled. For ``while_loop``, whose stopping steps are unknown up front, ``None``
-      means ``ceil(B / 4)``. Ignored by the other strategies and outside ``vmap``.
+      means ``ceil(B / 4)``. Other strategies reject it; outside ``vmap`` there is nothing to
+      schedule.
 
     - ``checked``: verify a traced ``depth`` at run time instead of clamping it: a value outside
       ``[0, max_depth]`` raises (under jit and vmap) with the value and, under vmap, its batch
@@ -320,32 +200,28 @@ def repeat(
     **Returns:** the carry after ``min(max(depth, 0), max_depth)`` applications of ``f``.
     ``depth == 0`` returns ``init``.
 
+    **The step index:** ``dyndepth.scan(g, init, jnp.arange(max_depth), depth=depth)`` gives
+    step ``i`` the index ``i`` as its ``x`` (shared by a vmapped batch, not stored per sample).
+
     **Raises** (at trace time): ``TypeError`` if ``f`` is not callable, if ``key`` is not a PRNG
-    key, if ``depth`` is not an integer, or if ``f`` changes the carry's structure, shape or
-    dtype (the message names the leaf); ``ValueError`` if ``max_depth`` is negative, a concrete
-    ``depth`` is out of range, ``depth`` is not a scalar, ``checkpoints < 1`` or ``strategy`` is
-    unknown. ``TypeError`` for a non-int ``max_depth``/``checkpoints``.
+    key, if ``depth`` is not an integer, if ``checked`` is not a bool, or if ``f`` changes the
+    carry's structure, shape or dtype (the message names the leaf); ``ValueError`` if
+    ``max_depth`` is negative, a concrete ``depth`` is out of range, ``depth`` is not a scalar,
+    ``checkpoints < 1``, ``strategy`` is unknown, ``checkpoints`` is given to ``"masked"`` or
+    ``"while"``, or ``slots`` to a strategy other than ``"auto"``. ``TypeError`` for a non-int
+    ``max_depth``/``checkpoints``. Reverse mode of ``"while"``, and reverse over reverse of
+    ``"auto"``/``"checkpointed"``, raise a ``TypeError`` when differentiated.
     """
     _checks.callable_arg(f, "f")
     max_depth = _checks.static_nonneg_int(max_depth, "max_depth")
     checkpoints = _checks.checkpoints_arg(checkpoints)
     slots = _checks.slots_arg(slots)
+    checked = _checks.bool_arg(checked, "checked")
     n = _checks.count_arg(depth, "depth", "max_depth", max_depth, checked)
-    step_fn = _carry_step(f, key is not None)
-
-    carry, _, _, _ = _build(
-        step_fn=step_fn,
-        fname="f",
-        init=init,
-        xs=None,
-        length=max_depth,
-        n=n,
-        key=key,
-        cond_fn=None,
-        strategy=strategy,
-        checkpoints=checkpoints,
-        slots=slots,
-    )
+    carry, _, _, _ = _run(
+        _carry_kind(key is not None, "f"), f, None, init, None, n, key,
+        length=max_depth, strategy=strategy, checkpoints=checkpoints, slots=slots,
+    )  # fmt: skip
     return carry
 
 
@@ -416,29 +292,13 @@ def scan(
     elif length is None:
         raise ValueError("`scan` needs `xs` or `length` to know how many steps there can be")
     xs = jax.tree_util.tree_map(jnp.asarray, xs)
+    checked = _checks.bool_arg(checked, "checked")
     n = _checks.count_arg(depth, "depth", "length", length, checked)
-    if key is None:
-
-        def step_fn(carry, x, k):
-            return f(carry, x)
-    else:
-
-        def step_fn(carry, x, k):
-            return f(carry, x, k)
-
-    carry, ys, _, _ = _build(
-        step_fn=step_fn,
-        fname="f",
-        init=init,
-        xs=xs,
-        length=length,
-        n=n,
-        key=key,
-        cond_fn=None,
-        strategy=strategy,
-        checkpoints=checkpoints,
-        slots=slots,
-    )
+    kind = StepKind(with_x=True, with_key=key is not None, with_stacked=False, returns_y=True)
+    carry, ys, _, _ = _run(
+        kind, f, None, init, xs, n, key,
+        length=length, strategy=strategy, checkpoints=checkpoints, slots=slots,
+    )  # fmt: skip
     return carry, ys
 
 
@@ -456,19 +316,14 @@ def scan_stacked(
     ``p``, the slice of the pytree ``stacked`` at ``x[0]``, an int32 layer index and the first
     leaf of ``xs``. Returns the final carry. The arguments are the caller's to validate."""
     length = int(jnp.shape(jax.tree_util.tree_leaves(xs)[0])[0])
-    carry, _, _, _ = _build(
-        step_fn=lambda carry, x, k, p: (f(carry, x, p), None),
-        fname="layer_fn",
-        init=init,
-        xs=jax.tree_util.tree_map(jnp.asarray, xs),
-        length=length,
-        n=_checks.count_arg(depth, "depth", "length", length, False),
-        key=None,
-        cond_fn=None,
-        strategy=strategy,
-        checkpoints=_checks.checkpoints_arg(checkpoints),
-        stacked=stacked,
-    )
+    kind = StepKind(with_x=True, with_key=False, with_stacked=True, returns_y=False,
+                    fname="layer_fn")  # fmt: skip
+    carry, _, _, _ = _run(
+        kind, f, None, init, jax.tree_util.tree_map(jnp.asarray, xs),
+        _checks.count_arg(depth, "depth", "length", length, False), None, stacked,
+        length=length, strategy=strategy, checkpoints=_checks.checkpoints_arg(checkpoints),
+        slots=None,
+    )  # fmt: skip
     return carry
 
 
@@ -511,8 +366,10 @@ def while_loop(
     predicate, every sample stops at its own step; finished samples are masked.
 
     **Cost:** forward and backward follow the steps actually taken (``"masked"``: always
-    ``max_steps``). With ``checkpoints=K``, step evaluations in forward + backward are at most
-    ``3 * steps``, and exactly ``2 * steps`` when ``steps <= K`` (or ``checkpoints=None``).
+    ``max_steps``). Step evaluations in forward + backward: with ``checkpoints=None``,
+    ``steps`` unbatched (stored residuals; ``2 * steps`` when they exceed their budget) and
+    ``2 * steps`` under ``vmap``; with ``checkpoints=K``, at most ``3 * steps``, and exactly
+    ``2 * steps`` when ``steps <= K``.
 
     **Raises:** as :func:`repeat`; ``TypeError`` when ``cond_fun`` is not callable or does not
     return a boolean scalar.
@@ -522,21 +379,12 @@ def while_loop(
     max_steps = _checks.static_nonneg_int(max_steps, "max_steps")
     checkpoints = _checks.checkpoints_arg(checkpoints)
     slots = _checks.slots_arg(slots)
-    step_fn = _carry_step(body_fun, key is not None)
-
-    carry, _, steps, _ = _build(
-        step_fn=step_fn,
-        fname="body_fun",
-        init=init,
-        xs=None,
-        length=max_steps,
-        n=jnp.asarray(max_steps, jnp.int32),
-        key=key,
-        cond_fn=cond_fun,
-        strategy=strategy,
-        checkpoints=checkpoints,
-        slots=slots,
-    )
+    return_steps = _checks.bool_arg(return_steps, "return_steps")
+    carry, _, steps, _ = _run(
+        _carry_kind(key is not None, "body_fun"), body_fun, cond_fun, init, None,
+        jnp.asarray(max_steps, jnp.int32), key,
+        length=max_steps, strategy=strategy, checkpoints=checkpoints, slots=slots,
+    )  # fmt: skip
     return (carry, steps) if return_steps else carry
 
 
@@ -608,26 +456,24 @@ def repeat_batched(
     _checks.leading_axis(inits, "inits", B)
     if keys is not None:
         _checks.leading_axis(keys, "keys", B)
+        check_key(jax.ShapeDtypeStruct(keys.shape[1:], keys.dtype), "keys[0]")
 
-    step_fn = _carry_step(f, keys is not None)
+    kind = _carry_kind(keys is not None, "f")
 
-    def run(inits, depths, keys):
-        return _build(
-            step_fn=step_fn,
-            fname="f",
-            init=inits,
-            xs=None,
-            length=max_depth,
-            n=depths,
-            key=keys,
-            cond_fn=None,
-            strategy="auto",
-            checkpoints=checkpoints,
-            slots=slots,
-            batch=True,
-        )[::3]
+    def one(init, depth, key):
+        carry, _, _, stats = _run(
+            kind, f, None, init, None, depth, key,
+            length=max_depth, strategy="auto", checkpoints=checkpoints, slots=slots,
+        )  # fmt: skip
+        return carry, stats
 
-    carry, stats = run(inits, depths, keys)
+    # The batch is the loop's own batching level: vmap of the per-sample loop runs the
+    # scheduler, forward and backward (and a shared parameter's gradient is summed inside it).
+    run = jax.vmap(one, in_axes=(0, 0, None if keys is None else 0), out_axes=(0, None))
+    if B == 0:
+        carry, stats = inits, jnp.zeros((2,), jnp.int32)
+    else:
+        carry, stats = run(inits, depths, keys)
     if not return_stats:
         return carry
     stats = stats.reshape(-1, 2)

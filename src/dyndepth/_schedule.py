@@ -1,97 +1,246 @@
-"""Per-sample scheduling: continuous batching inside the loop, forward and backward.
+"""Per-sample scheduling: every row of a loop step is a sample's step, forward and backward.
 
-A batch of ``B`` samples with per-sample step counts runs in ``S <= B`` *slots* (static shapes).
-Every loop iteration applies the step to all slots at once. When a slot's sample finishes, its
-carry is written out and the next pending sample is loaded into the slot, so the work done is
-close to ``sum(steps)`` instead of ``B * max(steps)``. When the step counts are known up front
-(``repeat``, ``scan``: the depths; the backward pass: the steps taken), samples start longest
-first (LPT scheduling), which keeps the tail short. For ``while_loop`` the stopping step is only
-known when a sample stops; samples then start in batch order and a slot takes the next pending
-sample the moment it frees (greedy list scheduling).
+A batch of ``B`` samples with per-sample step counts runs in ``S <= B`` *slots* (static shapes);
+every loop iteration applies the step to all slots at once, so the work is ``S x iterations``
+sample-steps.
+
+**Known step counts** (``repeat``, ``scan``: the depths; every backward pass: the steps taken)
+use McNaughton's wrap-around rule. The samples' steps are laid end to end, ``W = sum(steps)``
+positions, and cut into ``S`` slots of ``C = max(max(steps), ceil(W / S))`` iterations each:
+slot ``s`` runs positions ``[s C, (s + 1) C)``. A sample cut by a slot boundary runs its first
+steps at the start of the next slot and its last steps at the end of its own (``steps <= C``,
+so the first part ends before the second starts; its carry waits in between). With
+``S <= W / max(steps)``, ``C = ceil(W / S)`` and the slots are busy at every iteration but the
+last: executed sample-steps are below ``W + S``, whatever the distribution of steps. ``S`` is
+chosen at run time among a ladder of slot counts (one compiled branch each): the largest
+that executes at most ``W / 16`` steps more than ``W`` (see :func:`choose_slots`).
+
+**Stopping steps known only when a sample stops** (``while_loop``'s forward pass): continuous
+batching; a slot takes the next pending sample the moment its sample stops.
 
 Every sample is stepped with its own keys (``step_key(key_b, i)`` for its step ``i``), xs and
-per-sample parameters, so results equal the unscheduled loop's.
-
-All of it is one ``lax.while_loop`` with static shapes and no host round-trips.
+per-sample parameters, so results equal the unscheduled loop's. All of it is one
+``lax.while_loop`` with static shapes and no host round-trips.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 
-from . import _vma
-from ._engine import (
-    Problem,
-    acc_shapes,
-    backward_batched,
-    forward_batched,
-    is_diff,
-    rows_vjp,
-    stats_of,
-    take,
-    where_b,
-)
+from . import _batched, _vma
+from ._batched import const_accumulators, rows_vjp, stats_of
+from ._leaves import where_rows
+from ._step import Loop, Perturbed
+
+# Each slot count is one compiled copy of the step (forward and backward), so the ladder is
+# sparse: ``B``, ``B / 2`` (uniform depths: the ideal count), then a ratio of 8 down to 1. The
+# rule in choose_slots keeps the work within the slack on any ladder that ends at 1; a sparser
+# ladder costs iterations (up to 8x those of the ideal count), never work.
+LADDER_RATIO = 8
+# A slot count is taken when it executes at most this fraction more than the useful steps.
+WORK_SLACK = 1 / 16
 
 
 def slot_candidates(batch: int) -> tuple[int, ...]:
-    """Slot counts that ``slots=None`` chooses from at run time: ``B, B/2, B/4, B/8`` (rounded
-    up); batches of 8 or fewer run unscheduled (one candidate, ``B``)."""
-    if batch <= 8:
+    """The slot counts that ``slots=None`` chooses from at run time, descending: ``B``,
+    ``B / 2``, ``B / 16``, ``B / 128``, ... (rounded up), then 1; batches of 2 or fewer run
+    unscheduled."""
+    if batch <= 2:
         return (batch,)
-    return tuple(sorted({math.ceil(batch / f) for f in (1, 2, 4, 8)}, reverse=True))
+    out, c = [batch], math.ceil(batch / 2)
+    while c > 1:
+        out.append(c)
+        c = math.ceil(c / LADDER_RATIO)
+    return tuple(out) + (1,)
+
+
+def executed_steps(lengths: jax.Array, slots: int) -> jax.Array:
+    """Sample-steps the wrap-around schedule executes with ``slots`` slots: ``slots x C``."""
+    total = jnp.sum(lengths)
+    per_slot = jnp.maximum(jnp.max(lengths), -(-total // slots))
+    return slots * per_slot
 
 
 def choose_slots(lengths: jax.Array, candidates: tuple[int, ...]) -> jax.Array:
-    """Index into ``candidates`` of the largest slot count that the lengths keep busy.
-
-    ``sum(lengths) / max(lengths)`` slots can all stay busy until the longest sample is done;
-    with fewer slots the loop takes more iterations but wastes nothing, with more it wastes the
-    difference. The choice is the largest candidate ``<= 1.1 * sum / max`` (else the smallest),
-    so that executed sample-steps stay within about 10% of ``sum(lengths)`` while the number of
-    loop iterations stays close to ``max(lengths)``.
-    """
-    total = jnp.sum(lengths).astype(jnp.float32)
-    busy = total / jnp.maximum(jnp.max(lengths), 1).astype(jnp.float32)
-    cands = jnp.asarray(candidates, jnp.float32)
-    ok = cands <= 1.1 * busy
-    return jnp.where(jnp.any(ok), jnp.argmax(ok), len(candidates) - 1).astype(jnp.int32)
+    """Index into ``candidates`` (descending) of the largest slot count that executes at most
+    ``(1 + WORK_SLACK) x sum(lengths)`` sample-steps, else of the one that executes fewest.
+    The largest such count runs the fewest iterations; 1 slot always executes exactly the sum,
+    so the work bound holds for every distribution of lengths."""
+    lengths = lengths.astype(jnp.int32)
+    total = jnp.sum(lengths)
+    work = jnp.stack([executed_steps(lengths, c) for c in candidates])
+    ok = work.astype(jnp.float32) <= (1 + WORK_SLACK) * total.astype(jnp.float32)
+    return jnp.where(jnp.any(ok), jnp.argmax(ok), jnp.argmin(work)).astype(jnp.int32)
 
 
 def run_with_slots(fn, lengths, slots, candidates, *args, **kwargs):
     """``fn(*args, slots=S, **kwargs)`` with a static ``slots``, or chosen at run time among
-    ``candidates`` by :func:`choose_slots` (one compiled branch each)."""
-    mesh, axes = _vma.explicit_batch_axes(lengths)
-    if mesh is not None:
-        spec = ", ".join(repr(a) for a in axes)
-        raise ValueError(
-            f"the batch of depths is sharded over the mesh axes ({spec}) under plain jax.jit: "
-            "dyndepth's per-sample scheduler runs per device, inside jax.shard_map. Call the "
-            f"loop inside jax.shard_map(..., in_specs=P({spec}), out_specs=P({spec})) with the "
-            "batch split over those axes (README, 'Scaling out')."
-        )
+    ``candidates`` by :func:`choose_slots` (one compiled branch each). ``S >= B`` runs the
+    lockstep batch: with one slot per sample there is nothing to schedule."""
     B = lengths.shape[0]
 
     def call(c):
         if c >= B:
-            # One slot per sample: nothing to refill, so the plain batched loop (the same work
-            # and the same residuals) without the scheduler's per-slot bookkeeping.
-            if fn is forward_scheduled:
-                return forward_batched(*args, store=kwargs["store"])
-            if fn is backward_scheduled:
-                return backward_batched(*args, per_row=kwargs.get("per_row", False))
+            if fn is forward_wrapped:
+                return _batched.forward(*args, store=kwargs["store"])
+            if fn is backward_wrapped:
+                return _batched.backward(*args, per_row=kwargs["per_row"])
         return fn(*args, slots=c, **kwargs)
 
     if slots is not None or len(candidates) == 1:
         return call(slots or candidates[0])
-
-    def branch(c):
-        return lambda: call(c)
-
-    branches = [branch(c) for c in candidates]
+    branches = [lambda c=c: call(c) for c in candidates]
     return _vma.switch(choose_slots(lengths, candidates), branches)
+
+
+# ----------------------------------------------------------------------------- wrap-around
+
+
+@dataclasses.dataclass(frozen=True)
+class Wrap:
+    """The wrap-around layout of ``B`` samples of known ``length`` in ``S`` slots: ``C``
+    iterations; sample ``b`` at positions ``[start[b], start[b] + length[b])``; a sample cut
+    by a slot boundary keeps its first ``head[b]`` positions in its own slot (they run its
+    last steps) and runs its first ``length[b] - head[b]`` steps at the start of the next
+    slot; ``after[b]`` is the next sample with steps; ``first[s]`` is slot ``s``'s first."""
+
+    C: jax.Array
+    total: jax.Array
+    length: jax.Array
+    start: jax.Array
+    head: jax.Array
+    after: jax.Array
+    first: jax.Array
+
+    @staticmethod
+    def of(length: jax.Array, S: int) -> Wrap:
+        B = length.shape[0]
+        total = jnp.sum(length)
+        C = jnp.maximum(jnp.max(length), (total + S - 1) // S)
+        start = jnp.cumsum(length) - length
+        end = start + length
+        cut = (start // jnp.maximum(C, 1) + 1) * C
+        head = jnp.where(end > cut, cut - start, length)
+        has = jnp.where(length > 0, jnp.arange(B), B)
+        after = jnp.concatenate([jax.lax.cummin(has[::-1])[::-1][1:], jnp.full((1,), B)])
+        # The sample holding each slot's first position: the count of samples ending at or
+        # before it (a comparison of S x B, cheaper to trace and run than a search).
+        first = jnp.sum(end[None, :] <= (jnp.arange(S) * C)[:, None], axis=1, dtype=jnp.int32)
+        return Wrap(C, total, length, start, head, after.astype(jnp.int32), first)
+
+    def at(self, b: jax.Array, t: jax.Array, S: int):
+        """For slot sample ``b`` at iteration ``t``: ``(step, starts, ends, live)``: the step of
+        the sample it runs, whether its piece starts or ends here, whether the slot is busy."""
+        g = jnp.arange(S) * self.C + t
+        live = g < self.total
+        bc = jnp.minimum(b, self.length.shape[0] - 1)
+        length, head = self.length[bc], self.head[bc]
+        u = g - self.start[bc]
+        step = jnp.where(u >= head, u - head, u + length - head)
+        starts = (u == 0) | (t == 0)
+        ends = (u == length - 1) | (t == self.C - 1)
+        return step, starts, ends, live
+
+
+def forward_wrapped(loop: Loop, consts, c_axes, cconsts, cc_axes, init, xs, n, kd, *, store,
+                    slots):  # fmt: skip
+    """:func:`dyndepth._batched.forward` on the wrap-around schedule (same outputs; no stop
+    predicate: the steps are the depths)."""
+    del cconsts, cc_axes
+    B = n.shape[0]
+    S = max(1, min(slots, B))
+    T = loop.max_steps
+    wrap = Wrap.of(n, S)
+    vstep = loop.vstep(c_axes, S)
+    state = dict(
+        t=jnp.zeros((), jnp.int32),
+        b=wrap.first,
+        c=[_rows(c, wrap.first) for c in init],
+        cur=list(init),
+        ys=[_vma.zeros((B, T), a) for a in loop.y_avals],
+    )
+    if store:
+        K = loop.slots_stored
+        state["buf"] = [_vma.zeros((B, K), a).at[:, 0].set(c)
+                        for a, c in zip(loop.carry_avals, init, strict=True)]  # fmt: skip
+        state["count"] = jnp.zeros((B,), jnp.int32)
+        state["stride"] = jnp.ones((B,), jnp.int32)
+
+    def body(s):
+        s = dict(s)
+        b, t = s["b"], s["t"]
+        i, starts, ends, live = wrap.at(b, t, S)
+        carry = where_rows(starts, [_rows(c, b) for c in s["cur"]], s["c"])
+        if store:
+            s.update(_store_scheduled(loop, s, b, i, live, carry))
+        key = loop.key_at(None if kd is None else _rows(kd, b), i)
+        new_c, y = vstep(_per_slot(consts, c_axes, b), carry, [_cells(a, b, i) for a in xs], key)
+        drop = _drop_idx(live, b, B)
+        s["ys"] = [a.at[drop, i].set(v, mode="drop") for a, v in zip(s["ys"], y, strict=True)]
+        out = _drop_idx(live & ends, b, B)
+        s["cur"] = [o.at[out].set(c, mode="drop") for o, c in zip(s["cur"], new_c, strict=True)]
+        s["c"] = list(new_c)
+        s["b"] = jnp.where(live & ends & (t < wrap.C - 1), _rows(wrap.after, b), b)
+        s["t"] = t + 1
+        return s
+
+    out = _vma.while_loop(lambda s: s["t"] < wrap.C, body, state)
+    res = (out["buf"], out["stride"]) if store else None
+    return out["cur"], out["ys"], n, res, stats_of(wrap.C, S)
+
+
+def backward_wrapped(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, steps, ct_carry,
+                     ct_ys, *, slots, per_row):  # fmt: skip
+    """:func:`dyndepth._batched.backward` (stored carries, no thinning) on the wrap-around
+    schedule: each sample's reverse sweep, its steps in reverse order, laid end to end."""
+    assert not loop.thinning
+    buf, _ = res
+    B = steps.shape[0]
+    S = max(1, min(slots, B))
+    wrap = Wrap.of(steps, S)
+    d_axes = [ax for ax, p in zip(c_axes, pert.consts, strict=True) if p]
+    state = dict(
+        t=jnp.zeros((), jnp.int32),
+        b=wrap.first,
+        ct=[_rows(c, wrap.first) for c in ct_carry],
+        cur=list(ct_carry),
+        acc=const_accumulators(pert, consts, c_axes, B, per_row),
+        ct_xs=[jnp.zeros_like(a) for a, p in zip(xs, pert.xs, strict=True) if p],
+    )
+
+    def body(s):
+        s = dict(s)
+        b, t = s["b"], s["t"]
+        r, starts, ends, live = wrap.at(b, t, S)
+        j = _rows(steps, b) - 1 - r  # the forward step this reverse step undoes
+        ct = where_rows(starts, [_rows(c, b) for c in s["cur"]], s["ct"])
+        key = loop.key_at(None if kd is None else _rows(kd, b), j)
+        g_k, g_c, g_x = rows_vjp(
+            loop, pert, _per_slot(consts, c_axes, b), c_axes, [_cells(c, b, j) for c in buf],
+            [_cells(a, b, j) for a in xs], key, ct, [_cells(a, b, j) for a in ct_ys], live,
+            per_row=per_row,
+        )  # fmt: skip
+        drop = _drop_idx(live, b, B)
+        s["acc"] = [a.at[drop].add(g, mode="drop") if (ax == 0 or per_row) else a + g
+                    for a, g, ax in zip(s["acc"], g_k, d_axes, strict=True)]  # fmt: skip
+        s["ct_xs"] = [a.at[drop, j].set(g, mode="drop")
+                      for a, g in zip(s["ct_xs"], g_x, strict=True)]  # fmt: skip
+        out = _drop_idx(live & ends, b, B)
+        s["cur"] = [o.at[out].set(c, mode="drop") for o, c in zip(s["cur"], g_c, strict=True)]
+        s["ct"] = list(g_c)
+        s["b"] = jnp.where(live & ends & (t < wrap.C - 1), _rows(wrap.after, b), b)
+        s["t"] = t + 1
+        return s
+
+    out = _vma.while_loop(lambda s: s["t"] < wrap.C, body, state)
+    return out["acc"], out["cur"], out["ct_xs"]
+
+
+# ----------------------------------------------------------------------------- refill
 
 
 def _rows(arr, idx):
@@ -108,9 +257,9 @@ def _drop_idx(mask, idx, B):
     return jnp.where(mask, idx, B)
 
 
-def _order(has_work, length, by_length):
-    key = jnp.where(has_work, length if by_length else 0, -1)
-    return jnp.argsort(-key, stable=True).astype(jnp.int32)
+def _per_slot(leaves, axes, idx):
+    """Each slot's row of the per-sample leaves (axis 0); shared ones (axis None) as they are."""
+    return [_rows(c, idx) if ax == 0 else c for c, ax in zip(leaves, axes, strict=True)]
 
 
 def _next_samples(done, ptr, order, num_work):
@@ -119,27 +268,24 @@ def _next_samples(done, ptr, order, num_work):
     return done & (nxt < num_work), _rows(order, nxt)
 
 
-def forward_scheduled(
-    prob: Problem, consts, c_axes, cconsts, cc_axes, init, xs, n, kd, *, store, slots, by_length
-):
-    """Scheduled counterpart of :func:`dyndepth._engine.forward_batched` (same outputs)."""
+def forward_refill(loop: Loop, consts, c_axes, cconsts, cc_axes, init, xs, n, kd, *, store, slots):
+    """:func:`dyndepth._batched.forward` with continuous batching, for a loop with a stop
+    predicate: samples start in batch order, and a slot takes the next pending sample the
+    moment its sample stops."""
     B = n.shape[0]
     S = max(1, min(slots, B))
-    T = prob.max_steps
-    vstep = prob.vstep(c_axes)
+    T = loop.max_steps
+    vstep = loop.vstep(c_axes, S)
     has = n > 0
-    if prob.cond is not None:
-        has = has & prob.vcond(cc_axes)(cconsts, init)
-    order = _order(has, n, by_length)
+    if loop.cond_jaxpr is not None:
+        has = has & loop.vcond(cc_axes, B)(cconsts, init)
+    order = jnp.argsort(jnp.where(has, 0, 1), stable=True).astype(jnp.int32)
     num_work = jnp.sum(has.astype(jnp.int32))
-
-    def per_slot(leaves, axes, idx):
-        return [_rows(c, idx) if ax == 0 else c for c, ax in zip(leaves, axes, strict=True)]
 
     def slot_cond(s_idx, carry):
         act = jnp.ones(s_idx.shape, bool)
-        if prob.cond is not None:
-            act = prob.vcond(cc_axes)(per_slot(cconsts, cc_axes, s_idx), carry)
+        if loop.cond_jaxpr is not None:
+            act = loop.vcond(cc_axes, S)(_per_slot(cconsts, cc_axes, s_idx), carry)
         return act
 
     s_idx = order[:S]
@@ -152,11 +298,11 @@ def forward_scheduled(
         iters=jnp.zeros((), jnp.int32),
         out=list(init),
         steps=jnp.zeros((B,), jnp.int32),
-        ys=[_vma.zeros((B, T), a) for a in prob.y_avals],
+        ys=[_vma.zeros((B, T), a) for a in loop.y_avals],
     )
     if store:
-        K = prob.slots
-        buf = [_vma.zeros((B, K), a) for a in prob.carry_avals]
+        K = loop.slots_stored
+        buf = [_vma.zeros((B, K), a) for a in loop.carry_avals]
         state["buf"] = [b.at[:, 0].set(c) for b, c in zip(buf, init, strict=True)]
         state["count"] = jnp.zeros((B,), jnp.int32)
         state["stride"] = jnp.ones((B,), jnp.int32)
@@ -166,12 +312,12 @@ def forward_scheduled(
         idx, i, live, carry = s["s_idx"], s["s_i"], s["s_live"], s["s_c"]
         drop = _drop_idx(live, idx, B)
         if store:
-            s.update(_store_scheduled(prob, s, idx, i, live, carry, drop))
+            s.update(_store_scheduled(loop, s, idx, i, live, carry))
         x = [_cells(a, idx, i) for a in xs]
-        key = prob.key_at(None if kd is None else _rows(kd, idx), i)
-        new_c, y = vstep(per_slot(consts, c_axes, idx), carry, x, key)
+        key = loop.key_at(None if kd is None else _rows(kd, idx), i)
+        new_c, y = vstep(_per_slot(consts, c_axes, idx), carry, x, key)
         s["ys"] = [a.at[drop, i].set(v, mode="drop") for a, v in zip(s["ys"], y, strict=True)]
-        carry = where_b(live, list(new_c), carry)
+        carry = where_rows(live, list(new_c), carry)
         i = i + live.astype(jnp.int32)
         done = live & ((i >= _rows(n, idx)) | ~slot_cond(idx, carry))
         d_drop = _drop_idx(done, idx, B)
@@ -181,7 +327,7 @@ def forward_scheduled(
         take_new, new_idx = _next_samples(done, s["ptr"], order, num_work)
         s["s_idx"] = jnp.where(take_new, new_idx, idx)
         s["s_i"] = jnp.where(take_new, 0, i)
-        s["s_c"] = where_b(take_new, [_rows(c, new_idx) for c in init], carry)
+        s["s_c"] = where_rows(take_new, [_rows(c, new_idx) for c in init], carry)
         s["s_live"] = jnp.where(done, take_new, live)
         s["ptr"] = s["ptr"] + jnp.sum(done.astype(jnp.int32))
         s["iters"] = s["iters"] + 1
@@ -192,11 +338,13 @@ def forward_scheduled(
     return out["out"], out["ys"], out["steps"], res, stats_of(out["iters"], S)
 
 
-def _store_scheduled(prob, s, idx, i, live, carry, drop):
+def _store_scheduled(loop, s, idx, i, live, carry):
+    """Store each slot's carry before step ``i`` of its sample ``idx`` (every ``stride``-th step
+    of the sample, halving the sample's checkpoints when its ``K`` slots fill up)."""
     buf, count, stride = s["buf"], s["count"], s["stride"]
     cnt, st = _rows(count, idx), _rows(stride, idx)
-    if prob.thinning:
-        K = prob.slots
+    if loop.thinning:
+        K = loop.slots_stored
         full = live & (i % st == 0) & (cnt == K)
 
         def compact(args):
@@ -221,83 +369,4 @@ def _store_scheduled(prob, s, idx, i, live, carry, drop):
     w_drop = _drop_idx(want, idx, count.shape[0])
     buf = [b.at[w_drop, cnt].set(c, mode="drop") for b, c in zip(buf, carry, strict=True)]
     count = count.at[w_drop].add(1, mode="drop")
-    del drop
     return dict(buf=buf, count=count, stride=stride)
-
-
-def backward_scheduled(
-    prob: Problem, consts, c_axes, xs, kd, res, steps, ct_carry, ct_ys, *, slots, per_row=False
-):
-    """Scheduled counterpart of :func:`dyndepth._engine.backward_batched` for stored carries
-    (no thinning): each slot runs one sample's reverse sweep from its last step down to 0."""
-    assert not prob.thinning
-    buf, _ = res
-    B = steps.shape[0]
-    S = max(1, min(slots, B))
-    xmask = prob.x_mask
-    kmask = [is_diff(c) for c in consts]
-    d_axes = take(c_axes, kmask)
-    has = steps > 0
-    order = _order(has, steps, True)
-    num_work = jnp.sum(has.astype(jnp.int32))
-
-    def per_slot(leaves, axes, idx):
-        return [_rows(c, idx) if ax == 0 else c for c, ax in zip(leaves, axes, strict=True)]
-
-    s_idx = order[:S]
-    xs_d = take(xs, xmask)
-    state = dict(
-        s_idx=s_idx,
-        s_p=_rows(steps, s_idx) - 1,
-        s_live=jnp.arange(S) < num_work,
-        s_ct=[_rows(c, s_idx) for c in ct_carry],
-        ptr=jnp.asarray(S, jnp.int32),
-        acc=acc_shapes(consts, c_axes, B, per_row),
-        ct_init=list(ct_carry),
-        ct_xs=[jnp.zeros_like(a) for a in xs_d],
-    )
-
-    def body(s):
-        s = dict(s)
-        idx, p, live, ct = s["s_idx"], s["s_p"], s["s_live"], s["s_ct"]
-        carry = [_cells(b, idx, p) for b in buf]
-        x = [_cells(a, idx, p) for a in xs]
-        ct_y = [_cells(a, idx, p) for a in ct_ys]
-        key = prob.key_at(None if kd is None else _rows(kd, idx), p)
-        g_k, g_c, g_x = rows_vjp(
-            prob,
-            per_slot(consts, c_axes, idx),
-            c_axes,
-            carry,
-            x,
-            key,
-            ct,
-            ct_y,
-            live,
-            per_row=per_row,
-        )
-        drop = _drop_idx(live, idx, B)
-        s["acc"] = [
-            a.at[drop].add(g, mode="drop") if (ax == 0 or per_row) else a + g
-            for a, g, ax in zip(s["acc"], g_k, d_axes, strict=True)
-        ]
-        s["ct_xs"] = [
-            a.at[drop, p].set(g, mode="drop") for a, g in zip(s["ct_xs"], g_x, strict=True)
-        ]
-        ct = where_b(live, list(g_c), ct)
-        p = p - live.astype(jnp.int32)
-        done = live & (p < 0)
-        d_drop = _drop_idx(done, idx, B)
-        s["ct_init"] = [
-            o.at[d_drop].set(c, mode="drop") for o, c in zip(s["ct_init"], ct, strict=True)
-        ]
-        take_new, new_idx = _next_samples(done, s["ptr"], order, num_work)
-        s["s_idx"] = jnp.where(take_new, new_idx, idx)
-        s["s_p"] = jnp.where(take_new, _rows(steps, new_idx) - 1, p)
-        s["s_ct"] = where_b(take_new, [_rows(c, new_idx) for c in ct_carry], ct)
-        s["s_live"] = jnp.where(done, take_new, live)
-        s["ptr"] = s["ptr"] + jnp.sum(done.astype(jnp.int32))
-        return s
-
-    out = _vma.while_loop(lambda s: jnp.any(s["s_live"]), body, state)
-    return out["acc"], out["ct_init"], out["ct_xs"]

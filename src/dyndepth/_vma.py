@@ -36,7 +36,7 @@ def manual_axes() -> tuple[str, ...]:
 
 def varying(x: Any) -> frozenset:
     """The manual axes ``x`` varies over."""
-    return _aval_varying(jax.typeof(x))
+    return aval_varying(jax.typeof(x))
 
 
 def vary(tree: Any, axes: tuple[str, ...] | None = None) -> Any:
@@ -52,7 +52,7 @@ def vary(tree: Any, axes: tuple[str, ...] | None = None) -> Any:
     return jax.tree_util.tree_map(one, tree)
 
 
-def _aval_varying(aval: Any) -> frozenset:
+def aval_varying(aval: Any) -> frozenset:
     """The manual axes an abstract value varies over (the attribute moved between releases)."""
     vma = getattr(aval, "vma", None)
     if vma is None:
@@ -107,7 +107,7 @@ def _call_jaxpr(params: dict) -> tuple[Any, list] | None:
 
 
 def _in_varying(jaxpr: Any) -> list[frozenset]:
-    return [_aval_varying(v.aval) for v in jaxpr.invars]
+    return [aval_varying(v.aval) for v in jaxpr.invars]
 
 
 def _fits(invals: list, jaxpr: Any) -> bool:

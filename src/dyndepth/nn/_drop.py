@@ -11,12 +11,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._loop import scan_stacked
+from .._types import Strategy
 from . import _validate as v
 
 __all__ = ["drop_path", "layer_drop", "stochastic_residual"]
 
 DropMode = Literal["row", "batch"]
-Strategy = Literal["auto", "masked", "while", "checkpointed"]
 
 _MODES = ("row", "batch")
 
@@ -33,10 +33,12 @@ def _mask_shape(x: jax.Array, mode: str) -> tuple[int, ...]:
 
 
 def _scaled(y: jax.Array, rate: Any) -> jax.Array:
-    """``y / (1 - rate)`` in the dtype of ``y``."""
+    """``y / (1 - rate)`` in the dtype of ``y``; at ``rate == 1`` (everything dropped, so the
+    value is never used) ``y`` itself, so that no inf or NaN reaches a gradient (as timm)."""
     if isinstance(rate, float):
-        return y / (1.0 - rate)
-    return y / (1.0 - jnp.asarray(rate)).astype(y.dtype)
+        return y / (1.0 - rate) if rate < 1.0 else y
+    keep = 1.0 - jnp.asarray(rate)
+    return y / jnp.where(keep > 0, keep, 1.0).astype(y.dtype)
 
 
 def _keep(key: Any, rate: Any, shape: tuple[int, ...]) -> jax.Array:
@@ -85,8 +87,10 @@ def drop_path(
             return where(keep, kept, 0)
 
     With ``scale=True``, ``E[drop_path(x)] = x`` over keys. Dropped entries are exactly zero
-    (also where ``x`` holds inf or nan). Used as ``x + drop_path(branch(x), key, rate)`` in a
-    residual block; :func:`stochastic_residual` does the same and skips the branch's compute.
+    (also where ``x`` holds inf or nan). ``rate == 1`` drops everything, as timm and
+    torchvision do, with zero (not NaN) gradients, also for a traced rate. Used as
+    ``x + drop_path(branch(x), key, rate)`` in a residual block; :func:`stochastic_residual`
+    does the same and skips the branch's compute.
 
     **Under vmap:** the function sees one sample, so ``mode="row"`` there means one decision per
     row of the sample (e.g. per token). For one decision per sample inside a vmapped model, use
@@ -97,7 +101,7 @@ def drop_path(
     - ``x``: an array (for ``mode="row"``, with a leading batch axis).
     - ``key``: a PRNG key; may be ``None`` when no decision is drawn (``deterministic=True`` or a
       concrete ``rate == 0``).
-    - ``rate``: the drop probability in ``[0, 1)``: a Python float or a float scalar array (may
+    - ``rate``: the drop probability in ``[0, 1]``: a Python float or a float scalar array (may
       be traced; concrete values are checked).
     - ``mode``: ``"row"`` (default) or ``"batch"``.
     - ``scale``: divide kept outputs by ``1 - rate`` (default ``True``).
@@ -107,7 +111,7 @@ def drop_path(
 
     **Transformations:** jit, vmap, grad, jvp (the gradient is the same mask, scaled).
 
-    **Raises:** ``ValueError`` for a rate outside ``[0, 1)``, an unknown ``mode`` or a scalar
+    **Raises:** ``ValueError`` for a rate outside ``[0, 1]``, an unknown ``mode`` or a scalar
     ``x`` in ``"row"`` mode; ``TypeError`` for a missing or malformed ``key`` or non-bool
     ``scale``/``deterministic``.
     """
@@ -298,7 +302,7 @@ def layer_drop(
       receive gradients; dropped layers get exactly zero.
     - ``x``: the input, an array (a leading batch axis for ``mode="row"``).
     - ``key``: a PRNG key (``None`` allowed when nothing is drawn).
-    - ``rate``: drop probability in ``[0, 1)``: one for all layers (float or scalar array), or a
+    - ``rate``: drop probability in ``[0, 1]``: one for all layers (float or scalar array), or a
       float array of shape ``(L,)`` (see :func:`survival_schedule`). May be traced.
     - ``mode``: ``"batch"`` (default) or ``"row"``.
     - ``scale``: rescale kept residual updates by ``1 / (1 - rate)`` (default ``False``).
@@ -319,7 +323,7 @@ def layer_drop(
     **Transformations:** jit, vmap, grad (``"auto"``, ``"checkpointed"``, ``"masked"``), jvp
     (``"masked"``, ``"while"``).
 
-    **Raises:** ``ValueError`` for a rate outside ``[0, 1)``, rates of a shape other than ``()``
+    **Raises:** ``ValueError`` for a rate outside ``[0, 1]``, rates of a shape other than ``()``
     or ``(L,)``, an unknown ``mode`` or ``strategy``, or leaves of ``stacked_params`` without a
     common leading axis; ``TypeError`` if ``layer_fn`` is not callable or changes the shape or
     dtype of ``x``, or for a missing ``key``.

@@ -10,13 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-import dyndepth
-
+from .._loop import while_loop
+from .._types import Strategy
 from . import _validate as v
 
 __all__ = ["HaltingResult", "halting", "ponder_loss"]
 
-Strategy = Literal["auto", "masked", "while", "checkpointed"]
 HaltKind = Literal["pondernet", "act"]
 HaltInput = Literal["probability", "logit"]
 
@@ -193,7 +192,7 @@ def halting(
             outputs=outputs,
         )
 
-    final = dyndepth.while_loop(
+    final = while_loop(
         cond,
         body,
         carry0,

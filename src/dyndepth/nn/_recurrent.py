@@ -3,41 +3,32 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-import dyndepth
-
+from .._keys import KeySchedule
+from .._loop import repeat, scan
+from .._step import closure_convert
+from .._types import Strategy
 from . import _validate as v
 
 __all__ = ["recurrent_depth"]
 
-Strategy = Literal["auto", "masked", "while", "checkpointed"]
 
-
-def _hoist_stopped(fn: Callable, *example_args: Any) -> Callable:
+def _stopped(fn: Callable, *example_args: Any) -> Callable:
     """``fn`` with every value it closes over (outer tracers included) behind ``stop_gradient``."""
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*example_args)
-    jaxpr = closed.jaxpr
-    consts = [lax.stop_gradient(c) for c in closed.consts]
+    jaxpr, consts, out_shape = closure_convert(fn, *example_args)
+    consts = [lax.stop_gradient(c) for c in consts]
     out_tree = jax.tree_util.tree_structure(out_shape)
 
     def call(*args):
-        out = jax.core.eval_jaxpr(jaxpr, consts, *jax.tree_util.tree_leaves(args))
+        out = jax.core.eval_jaxpr(jaxpr.jaxpr, [], *consts, *jax.tree_util.tree_leaves(args))
         return jax.tree_util.tree_unflatten(out_tree, out)
 
     return call
-
-
-def _key_parts(key: Any) -> tuple[Any, Callable[[Any], Any]]:
-    """Split a key into plain ``uint32`` data and a function that rebuilds the key from it."""
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        impl = jax.random.key_impl(key)
-        return jax.random.key_data(key), lambda data: jax.random.wrap_key_data(data, impl=impl)
-    return key, lambda data: data
 
 
 def recurrent_depth(
@@ -142,9 +133,9 @@ def recurrent_depth(
 
     # Phase 1: n iterations, nothing differentiated.
     if key is None:
-        frozen = _hoist_stopped(lambda s, x: core(s, x), state, x)
+        frozen = _stopped(lambda s, x: core(s, x), state, x)
     else:
-        frozen = _hoist_stopped(lambda s, x, kk: core(s, x, kk), state, x, key_example)
+        frozen = _stopped(lambda s, x, kk: core(s, x, kk), state, x, key_example)
     x_stopped = lax.stop_gradient(x)
     if key is None:
 
@@ -155,7 +146,7 @@ def recurrent_depth(
         def f1(s, kk):
             return frozen(s, x_stopped, kk)
 
-    s_n = dyndepth.repeat(
+    s_n = repeat(
         f1,
         lax.stop_gradient(state),
         n,
@@ -167,18 +158,19 @@ def recurrent_depth(
 
     # Phase 2: k iterations with gradient; iteration n + j gets step_key(key, n + j).
     if key is not None:
-        key_data, rebuild = _key_parts(key)
+        keys = KeySchedule.of(key)
+        key_data = keys.data(key)
 
     def f2(carry, _):
         s, i = carry
         if key is None:
             s = core(s, x)
         else:
-            s = core(s, x, jax.random.fold_in(rebuild(key_data), i))
+            s = core(s, x, keys.key_at(key_data, i))
         y = (readout(s) if readout is not None else s) if return_all else None
         return (s, i + 1), y
 
-    (s_out, _), ys = dyndepth.scan(
+    (s_out, _), ys = scan(
         f2,
         (s_n, n),
         None,

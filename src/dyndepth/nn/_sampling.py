@@ -193,12 +193,12 @@ def survival_schedule(
     **Arguments:**
 
     - ``num_layers``: static int ``L >= 0``.
-    - ``final_rate``: static float in ``[0, 1)``, the drop rate of the last layer.
+    - ``final_rate``: static float in ``[0, 1]``, the drop rate of the last layer.
     - ``kind``: ``"linear"`` (default) or ``"uniform"``.
 
     **Returns:** a float32 array of shape ``(L,)``.
 
-    **Raises:** ``ValueError`` for ``final_rate`` outside ``[0, 1)``, ``num_layers < 0`` or an
+    **Raises:** ``ValueError`` for ``final_rate`` outside ``[0, 1]``, ``num_layers < 0`` or an
     unknown ``kind``; ``TypeError`` for non-static arguments.
     """
     num_layers = v.static_int(num_layers, "num_layers")

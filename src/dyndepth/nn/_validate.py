@@ -19,19 +19,14 @@ callable_arg = _checks.callable_arg
 static_int = _checks.static_nonneg_int
 key_arg = _keys.check_key
 count_arg = _checks.count_arg
+strategy_arg = _checks.strategy_arg
+same_structure = _checks.same_structure
+bool_arg = _checks.bool_arg
 
 
 def is_concrete(x: Any) -> bool:
     """True unless ``x`` is a tracer (its value is known at trace time)."""
     return not isinstance(x, jax.core.Tracer)
-
-
-def bool_arg(value: Any, name: str) -> bool:
-    if not isinstance(value, bool | np.bool_):
-        raise TypeError(
-            f"`{name}` must be a static Python bool, got {type(value).__name__}: {value!r}"
-        )
-    return bool(value)
 
 
 def choice_arg(value: Any, name: str, choices: Sequence[str]) -> str:
@@ -59,17 +54,17 @@ def shape_arg(shape: Any, name: str = "shape") -> tuple[int, ...]:
 
 
 def rate_arg(rate: Any, name: str = "rate", *, shape: tuple[int, ...] | None = None) -> Any:
-    """A drop rate in ``[0, 1)``: a Python float, or a float array (scalar, or ``shape``).
+    """A drop rate in ``[0, 1]``: a Python float, or a float array (scalar, or ``shape``).
 
     Concrete values are checked; traced ones are used as they are. Returns the rate unchanged
     (Python floats stay Python floats, so they stay weakly typed).
     """
     if isinstance(rate, bool | np.bool_):
-        raise TypeError(f"`{name}` must be a float in [0, 1), got bool: {rate!r}")
+        raise TypeError(f"`{name}` must be a float in [0, 1], got bool: {rate!r}")
     if isinstance(rate, int | float | np.number):
         value = float(rate)
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"`{name}` must lie in [0, 1), got {rate!r}")
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"`{name}` must lie in [0, 1], got {rate!r}")
         return value
     dtype = getattr(rate, "dtype", None)
     rshape = getattr(rate, "shape", None)
@@ -85,20 +80,13 @@ def rate_arg(rate: Any, name: str = "rate", *, shape: tuple[int, ...] | None = N
         raise ValueError(f"`{name}` must have shape {want}, got shape {tuple(rshape)}")
     if is_concrete(rate):
         arr = np.asarray(rate)
-        bad = np.nonzero(~((arr >= 0.0) & (arr < 1.0)).reshape(-1))[0]
+        bad = np.nonzero(~((arr >= 0.0) & (arr <= 1.0)).reshape(-1))[0]
         if bad.size:
             where = f" at index {int(bad[0])}" if arr.ndim else ""
             raise ValueError(
-                f"`{name}` must lie in [0, 1), got {float(arr.reshape(-1)[bad[0]])}{where}"
+                f"`{name}` must lie in [0, 1], got {float(arr.reshape(-1)[bad[0]])}{where}"
             )
     return rate
-
-
-STRATEGIES = ("auto", "masked", "while", "checkpointed")
-
-
-def strategy_arg(strategy: Any) -> str:
-    return choice_arg(strategy, "strategy", STRATEGIES)
 
 
 def is_zero_rate(rate: Any) -> bool:
@@ -106,25 +94,3 @@ def is_zero_rate(rate: Any) -> bool:
     if isinstance(rate, float):
         return rate == 0.0
     return is_concrete(rate) and bool(np.all(np.asarray(rate) == 0.0))
-
-
-def same_structure(expected: Any, got: Any, fname: str, what: str) -> None:
-    """Raise a TypeError naming the first leaf where ``got`` differs from ``expected``."""
-    t_exp = jax.tree_util.tree_structure(expected)
-    t_got = jax.tree_util.tree_structure(got)
-    if t_exp != t_got:
-        raise TypeError(
-            f"`{fname}` must return {what} with the same pytree structure as its input; "
-            f"expected {t_exp}, got {t_got}"
-        )
-    for (path, a), b in zip(
-        jax.tree_util.tree_leaves_with_path(expected), jax.tree_util.tree_leaves(got), strict=True
-    ):
-        sa, sb = tuple(jnp.shape(a)), tuple(jnp.shape(b))
-        da, db = jnp.result_type(a), jnp.result_type(b)
-        if sa != sb or np.dtype(da) != np.dtype(db):
-            raise TypeError(
-                f"`{fname}` must keep the shape and dtype of {what}; at "
-                f"{what}{jax.tree_util.keystr(path) or ''} the input is {da}{list(sa)} but "
-                f"`{fname}` returned {db}{list(sb)}"
-            )

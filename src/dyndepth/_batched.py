@@ -1,0 +1,261 @@
+"""The loop over a batch of rows in lockstep: forward and backward sweeps.
+
+Every row steps at every iteration until it is done (``i >= n`` or its predicate fails), its
+carry then frozen by a mask, so a batch costs ``rows x max(steps)`` sample-steps. Consts carry
+an axis spec: ``None`` (shared by the rows: never broadcast) or ``0`` (one per row). The
+scheduler (:mod:`dyndepth._schedule`) runs the same steps with less waste; this module also
+serves unbatched loops with checkpoint thinning (a batch of one).
+
+The forward pass stores, with ``store``, per row the carry before every step, or with
+``checkpoints=K`` at most ``K`` carries evenly spaced over the steps taken (the spacing doubles
+when the slots fill up). The backward pass recomputes each segment between two checkpoints
+into a buffer and sweeps it in reverse.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import _vma
+from ._leaves import gather_rows, merge, rows_mask, scatter_rows, take, where_rows
+from ._step import Loop, Perturbed
+
+
+def stats_of(iterations, rows):
+    """``[loop iterations, executed sample-steps]`` as an int32 vector."""
+    return jnp.stack([iterations, iterations * rows]).astype(jnp.int32)
+
+
+def merge_stats(per_device):
+    """Stats of per-device loops, stacked: the longest loop, the sum of executed steps."""
+    return jnp.stack([jnp.max(per_device[:, 0]), jnp.sum(per_device[:, 1])])
+
+
+def active(loop: Loop, cconsts, cc_axes, i, n, carry):
+    """Rows that take step ``i``: ``i < n`` and the predicate holds."""
+    act = i < n
+    if loop.cond_jaxpr is not None:
+        act = act & loop.vcond(cc_axes, i.shape[0])(cconsts, carry)
+    return act
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def forward(loop: Loop, consts, c_axes, cconsts, cc_axes, init, xs, n, kd, *, store):
+    """The lockstep loop over ``B`` rows. Returns ``(carry, ys, steps, res, stats)``; ``res`` is
+    ``(buf, stride)`` with ``store`` (``buf[b, j]``: the carry of row ``b`` before step
+    ``j * stride[b]``), else None."""
+    B = n.shape[0]
+    T = loop.max_steps
+    vstep = loop.vstep(c_axes, B)
+    i0 = jnp.zeros((B,), jnp.int32)
+    state = dict(
+        i=i0,
+        act=active(loop, cconsts, cc_axes, i0, n, init),
+        carry=list(init),
+        ys=[_vma.zeros((B, T), a) for a in loop.y_avals],
+        iters=jnp.zeros((), jnp.int32),
+    )
+    if store:
+        K = loop.slots_stored
+        # Slot 0 always holds init, so that the backward pass never evaluates the step at an
+        # uninitialised state, even for rows that take no step.
+        state["buf"] = [_vma.zeros((B, K), a).at[:, 0].set(c)
+                        for a, c in zip(loop.carry_avals, init, strict=True)]  # fmt: skip
+        state["count"] = jnp.zeros((B,), jnp.int32)
+        state["stride"] = jnp.ones((B,), jnp.int32)
+
+    def body(s):
+        i, act, carry = s["i"], s["act"], s["carry"]
+        s = dict(s)
+        if store:
+            s.update(_store(loop, s, i, act, carry))
+        new_carry, y = vstep(consts, carry, gather_rows(xs, i), loop.key_at(kd, i))
+        s["carry"] = where_rows(act, new_carry, carry)
+        s["ys"] = scatter_rows(s["ys"], i, y, act)
+        s["i"] = i + act.astype(jnp.int32)
+        s["act"] = act & active(loop, cconsts, cc_axes, s["i"], n, s["carry"])
+        s["iters"] = s["iters"] + 1
+        return s
+
+    out = _vma.while_loop(lambda s: jnp.any(s["act"]), body, state)
+    res = (out["buf"], out["stride"]) if store else None
+    return out["carry"], out["ys"], out["i"], res, stats_of(out["iters"], B)
+
+
+def _store(loop: Loop, s, i, act, carry):
+    buf, count, stride = s["buf"], s["count"], s["stride"]
+    if loop.thinning:
+        K = loop.slots_stored
+        full = act & (i % stride == 0) & (count == K)
+
+        def compact(args):
+            buf, count, stride = args
+            kept = (K + 1) // 2
+
+            def thin(b):
+                half = b[:, 0::2]
+                pad = jnp.zeros((b.shape[0], K - kept) + b.shape[2:], b.dtype)
+                return jnp.concatenate([half, pad], axis=1)
+
+            buf = where_rows(full, [thin(b) for b in buf], buf)
+            count = jnp.where(full, kept, count)
+            stride = jnp.where(full, stride * 2, stride)
+            return buf, count, stride
+
+        buf, count, stride = _vma.cond(jnp.any(full), compact, lambda a: a, (buf, count, stride))
+    want = act & (i % stride == 0)
+    buf = scatter_rows(buf, count, carry, want)
+    count = count + want.astype(jnp.int32)
+    return dict(buf=buf, count=count, stride=stride)
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def rows_vjp(loop: Loop, pert: Perturbed, consts, c_axes, carry, x, key, ct_c, ct_y, act, *,
+             per_row: bool):  # fmt: skip
+    """One step's vjp on a batch of rows; rows where ``act`` is false contribute nothing.
+
+    Returns cotangents ``(g_consts, g_carry, g_x)`` of the perturbed leaves. A const with axis 0
+    gets one cotangent per row. A shared const (axis ``None``) gets the sum over the rows (one
+    vjp of the batched step: the cheap form, right for the gradient of a batched function) or,
+    with ``per_row``, one cotangent per row (right under ``vmap`` of a per-sample vjp, where
+    each sample's gradient of the shared const is its own)."""
+    kp, cp, xp = pert.consts, pert.carry, pert.xs
+    d_axes = take(c_axes, kp)
+    # Inactive rows (finished samples, idle slots, steps past a short segment) hold carries the
+    # loop never reached, where the step's Jacobian may be inf/NaN: with a zero cotangent, 0 * NaN
+    # would still poison the shared-parameter sum. They are evaluated at an active row's inputs
+    # instead, a point of a genuine trajectory, and their zero cotangent then contributes 0.
+    B = act.shape[0]
+    if not isinstance(B, int) or B > 1:  # (a symbolic batch size under jax.export: not an int)
+        src = jnp.where(act, jnp.arange(B), jnp.argmax(act))
+        carry = [c[src] for c in carry]
+        x = [a[src] for a in x]
+        key = None if key is None else key[src]
+        consts = [c[src] if ax == 0 else c for c, ax in zip(consts, c_axes, strict=True)]
+    ct_c = [jnp.where(rows_mask(act, c), c, 0) for c in ct_c]
+    ct_y = [jnp.where(rows_mask(act, c), c, 0) for c in ct_y]
+
+    def pullback(step, k_d, k_n, c_d, c_n, x_d, x_n, k, ct_c, ct_y):
+        def f(k_d, c_d, x_d):
+            new_c, y = step(merge(k_d, k_n, kp), merge(c_d, c_n, cp), merge(x_d, x_n, xp), k)
+            return take(new_c, cp), take(y, pert.ys)
+
+        return jax.vjp(f, k_d, c_d, x_d)[1]((ct_c, ct_y))
+
+    # Inside shard_map, a vjp with respect to a replicated value would psum its cotangent over
+    # the devices, a collective inside a loop whose trip count differs per device (a deadlock).
+    # Varying inputs keep the per-device cotangents local; the caller sums them once at the end.
+    args = (
+        _vma.vary(take(consts, kp)), take(consts, kp, False),
+        _vma.vary(take(carry, cp)), take(carry, cp, False),
+        _vma.vary(take(x, xp)), take(x, xp, False),
+        key, ct_c, ct_y,
+    )  # fmt: skip
+    if per_row:
+        axes = (list(d_axes), list(take(c_axes, kp, False))) + (0,) * 7
+        g_k, g_c, g_x = jax.vmap(lambda *a: pullback(loop.step, *a), in_axes=axes,
+                                 axis_size=B)(*args)  # fmt: skip
+        return [jnp.where(rows_mask(act, g), g, 0) for g in g_k], g_c, g_x
+    g_k, g_c, g_x = pullback(loop.vstep(c_axes, B), *args)
+    any_act = jnp.any(act)
+    g_k = [
+        jnp.where(rows_mask(act, g), g, 0) if ax == 0 else jnp.where(any_act, g, 0)
+        for g, ax in zip(g_k, d_axes, strict=True)
+    ]
+    return g_k, g_c, g_x
+
+
+def const_accumulators(pert: Perturbed, consts, c_axes, B, per_row):
+    """Zero accumulators for the perturbed consts' cotangents (see :func:`rows_vjp`)."""
+    out = []
+    for c, ax in zip(take(consts, pert.consts), take(c_axes, pert.consts), strict=True):
+        if ax is None and per_row:
+            out.append(_vma.zeros((B,), _vma.typed_aval(c)))
+        else:
+            out.append(jnp.zeros_like(c))
+    return out
+
+
+def backward(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, steps, ct_carry, ct_ys,
+             *, per_row=False):  # fmt: skip
+    """The reverse sweep of :func:`forward` from its stored carries. ``ct_carry``/``ct_ys``
+    hold the perturbed leaves only.
+
+    Returns cotangents ``(consts, init, xs)`` of the perturbed leaves (a shared const's summed
+    over the rows, or per row with ``per_row``)."""
+    buf, stride = res
+    B = steps.shape[0]
+    S = loop.segment
+    vstep = loop.vstep(c_axes, B)
+    nseg = (steps + stride - 1) // stride
+    rounds = jnp.max(nseg)
+
+    def reverse_step(s, idx, state_c, act):
+        x = gather_rows(xs, idx)
+        ct_y = gather_rows(ct_ys, idx)
+        g_k, g_c, g_x = rows_vjp(loop, pert, consts, c_axes, state_c, x, loop.key_at(kd, idx),
+                                 s["ct"], ct_y, act, per_row=per_row)  # fmt: skip
+        s = dict(s)
+        s["acc"] = [a + g for a, g in zip(s["acc"], g_k, strict=True)]
+        s["ct"] = where_rows(act, g_c, s["ct"])
+        s["ct_xs"] = scatter_rows(s["ct_xs"], idx, g_x, act)
+        return s
+
+    state = dict(
+        r=jnp.zeros((), jnp.int32),
+        ct=list(ct_carry),
+        acc=const_accumulators(pert, consts, c_axes, B, per_row),
+        ct_xs=[jnp.zeros_like(a) for a in take(xs, pert.xs)],
+    )
+
+    def segment_body(s):
+        j = nseg - 1 - s["r"]
+        seg_act = j >= 0
+        start = jnp.maximum(j, 0) * stride
+        length = jnp.where(seg_act, jnp.minimum(stride, steps - start), 0)
+        c0 = gather_rows(buf, jnp.maximum(j, 0))
+        if S == 1:
+            s = reverse_step(s, start, c0, seg_act)
+        else:
+            s = _recompute_and_unwind(loop, vstep, consts, xs, kd, s, start, length, c0,
+                                      reverse_step)  # fmt: skip
+        s = dict(s)
+        s["r"] = s["r"] + 1
+        return s
+
+    out = _vma.while_loop(lambda s: s["r"] < rounds, segment_body, state)
+    return out["acc"], out["ct"], out["ct_xs"]
+
+
+def _recompute_and_unwind(loop: Loop, vstep, consts, xs, kd, s, start, length, c0, reverse_step):
+    """Recompute one segment's carries from its checkpoint ``c0`` into a buffer, then apply the
+    reverse steps over it, last step first."""
+    B, S = length.shape[0], loop.segment
+    lb0 = [_vma.zeros((B, S), a).at[:, 0].set(c)
+           for a, c in zip(loop.carry_avals, c0, strict=True)]  # fmt: skip
+    tmax = jnp.max(length)
+
+    def recompute(rs):
+        t, c, lb = rs
+        act = t < length
+        idx = start + t - 1
+        new_c, _ = vstep(consts, c, gather_rows(xs, idx), loop.key_at(kd, idx))
+        c = where_rows(act, new_c, c)
+        lb = scatter_rows(lb, jnp.broadcast_to(t, (B,)), c, act)
+        return t + 1, c, lb
+
+    _, _, lb = _vma.while_loop(
+        lambda rs: rs[0] < tmax, recompute, (jnp.ones((), jnp.int32), c0, lb0)
+    )
+
+    def unwind(us):
+        t, s = us
+        state_c = gather_rows(lb, jnp.broadcast_to(t, (B,)))
+        return t - 1, reverse_step(s, start + t, state_c, t < length)
+
+    return _vma.while_loop(lambda us: us[0] >= 0, unwind, (tmax - 1, s))[1]

@@ -1,0 +1,256 @@
+"""The one place that decides how a loop runs.
+
+A loop primitive carries its batch structure (:class:`Level`, innermost first: what ``vmap``
+added, and which operands each level batches). From it and the loop's strategy, this module
+picks the kernel:
+
+* no batch: the unbatched loop (:mod:`dyndepth._single`), with stored residuals when planned;
+* several levels: ``jax.vmap`` over the outer ones of the kernel for the innermost;
+* the innermost level (the *rows*): when the steps differ per row, ``"auto"`` runs the
+  per-sample scheduler (:mod:`dyndepth._schedule`) and ``"checkpointed"``/``"while"`` the
+  lockstep batch (:mod:`dyndepth._batched`); rows that share their steps run in lockstep; a
+  backward pass whose residuals are shared by the rows (only the cotangents batched, as in
+  ``jacrev``) is the unbatched sweep mapped over the cotangents;
+* under plain ``jit`` with the rows sharded over ``Explicit`` mesh axes, one kernel per device
+  (:func:`dyndepth._vma.per_device`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+from typing import Any
+
+import jax
+
+from . import _batched, _schedule, _single, _vma
+from ._leaves import broadcast_rows, merge, take
+from ._residuals import ResidualPlan
+from ._step import Loop, Perturbed
+
+
+@dataclasses.dataclass(frozen=True)
+class Level:
+    """One batch level: its size, which operands it batches, and (backward passes only)
+    whether a const's cotangent is summed over it (``reduce``: the level was batched before
+    differentiation, as in ``grad(vmap(f))``) or kept per element (``vmap(grad(f))``)."""
+
+    size: Any
+    batched: tuple[bool, ...]
+    reduce: bool = True
+
+
+Batch = tuple[Level, ...]
+
+
+def lead(batch: Batch) -> tuple:
+    """Leading axes of an operand batched at every level (outermost first)."""
+    return tuple(level.size for level in reversed(batch))
+
+
+def _per_sample_steps(loop: Loop, n_batched: bool) -> bool:
+    """Whether rows of a batched loop can stop at different steps."""
+    return bool(n_batched) or loop.cond_jaxpr is not None
+
+
+def _schedulable(loop: Loop, rows: Any) -> bool:
+    return loop.strategy == "auto" and isinstance(rows, int) and rows > 1
+
+
+def _outer_vmap(fn, batch: Batch, operands, out_axes, finish):
+    """``fn`` mapped over the outermost level with ``jax.vmap``; ``finish`` turns the mapped
+    outputs into the final ones."""
+    level = batch[-1]
+    mapped = jax.vmap(fn, in_axes=_axes(level.batched), out_axes=out_axes, axis_size=level.size)
+    return finish(list(mapped(*operands)))
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def forward(loop: Loop, batch: Batch, store: bool, plan: ResidualPlan | None,
+            pert: Perturbed | None, operands: list) -> list:  # fmt: skip
+    """Run the loop. ``operands``: consts, cconsts, init, xs, n, kd. Returns the flat outputs:
+    carry, ys, steps, stats, and with ``store`` buf, stride, ext."""
+    nk, ncc, nc = loop.n_consts, loop.n_cconsts, len(loop.carry_avals)
+    nx = len(loop.x_avals)
+    consts, cconsts = operands[:nk], operands[nk : nk + ncc]
+    init = operands[nk + ncc : nk + ncc + nc]
+    xs = operands[nk + ncc + nc : nk + ncc + nc + nx]
+    n, kd = operands[-2], operands[-1]
+    kd = None if loop.keys is None else kd
+    if not batch:
+        carry, ys, steps, res, stats = _single.forward(
+            loop, consts, cconsts, init, xs, n, kd, store=store, pert=pert, plan=plan
+        )
+        return _flat_forward(carry, ys, steps, stats, res)
+    if len(batch) > 1:
+        inner = lambda *ops: forward(loop, batch[:-1], store, plan, pert, list(ops))  # noqa: E731
+        # Every output gains the outer axis but the stored-residual buffers (unfilled, shared).
+        out_axes = [0] * (nc + len(loop.y_avals) + 2)
+        if store:
+            out_axes += [0] * (nc + 1) + [None] * (0 if plan is None else len(plan.stored))
+        return _outer_vmap(inner, batch, operands, out_axes, partial(_combine_stats, nc, loop))
+    return _forward_rows(loop, batch[0], store, plan, consts, cconsts, init, xs, n, kd)
+
+
+def _flat_forward(carry, ys, steps, stats, res) -> list:
+    out = [*carry, *ys, steps, stats]
+    if res is not None:
+        buf, stride, ext = res
+        out += [*buf, stride, *ext]
+    return out
+
+
+def _combine_stats(nc: int, loop: Loop, out: list) -> list:
+    """After a vmap over an outer level: the stats of every inner loop, combined."""
+    pos = nc + len(loop.y_avals) + 1
+    out[pos] = _batched.merge_stats(out[pos].reshape(-1, 2))
+    return out
+
+
+def _forward_rows(loop, level, store, plan, consts, cconsts, init, xs, n, kd) -> list:
+    nk, ncc, nc, nx = len(consts), len(cconsts), len(init), len(xs)
+    flags = level.batched
+    cb, ccb = flags[:nk], flags[nk : nk + ncc]
+    ib, xb = flags[nk + ncc : nk + ncc + nc], flags[nk + ncc + nc : nk + ncc + nc + nx]
+    nb, kb = flags[-2], flags[-1]
+    R = level.size
+    init = broadcast_rows(init, ib, R)
+    xs = broadcast_rows(xs, xb, R)
+    n = broadcast_rows([n], [nb], R)[0]
+    kd = None if kd is None else broadcast_rows([kd], [kb], R)[0]
+    per_sample = _per_sample_steps(loop, nb)
+    c_axes, cc_axes = _axes(cb), _axes(ccb)
+
+    def run(consts, cconsts, init, xs, n, kd):
+        args = (loop, consts, c_axes, cconsts, cc_axes, init, xs, n, kd)
+        rows = n.shape[0]
+        if not (per_sample and _schedulable(loop, rows)):
+            return _batched.forward(*args, store=store)
+        if loop.cond_jaxpr is None:
+            return _schedule.run_with_slots(
+                _schedule.forward_wrapped, n, loop.slots, _schedule.slot_candidates(rows), *args,
+                store=store,
+            )  # fmt: skip
+        # Stopping steps are unknown before the loop runs: continuous batching in a quarter of
+        # the rows (or the given slots).
+        slots = loop.slots or math.ceil(rows / 4)
+        if slots >= rows:
+            return _batched.forward(*args, store=store)
+        return _schedule.forward_refill(*args, store=store, slots=slots)
+
+    # Under plain jit with the rows sharded over Explicit mesh axes: one loop per device.
+    in_b = (list(cb), list(ccb), [True] * nc, [True] * nx, True, _leaf_or_none(kd))
+    carry, ys, steps, res, stats = _vma.per_device(
+        run, (consts, cconsts, init, xs, n, kd), in_b, (n, init, xs), (_batched.merge_stats,)
+    )
+    # A shared depth (and no predicate) leaves the steps unbatched: the backward pass then
+    # runs in lockstep, unscheduled (nothing to save).
+    steps = steps if per_sample else steps[0]
+    if store:
+        # A batched forward pass stores carries only; the stored-residual buffers of a plan
+        # (made for an unbatched loop) stay empty, and the backward pass recomputes.
+        res = (res[0], res[1], [_vma.zeros((loop.max_steps,), a) for a in plan.stored]
+               if plan is not None else [])  # fmt: skip
+    return _flat_forward(carry, ys, steps, stats, res)
+
+
+def _leaf_or_none(kd):
+    """The batched flag of the key data: True, or None (an empty subtree) without keys."""
+    return None if kd is None else True
+
+
+def _axes(flags) -> list:
+    return [0 if b else None for b in flags]
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def backward(loop: Loop, batch: Batch, pert: Perturbed, plan: ResidualPlan | None,
+             use_ext: bool, operands: list) -> list:  # fmt: skip
+    """The reverse sweep. ``operands``: consts, xs, kd, steps, buf, stride, ext, ct_carry and
+    ct_ys (perturbed leaves). Returns the cotangents of the perturbed consts, init and xs."""
+    nk, nx, nc = loop.n_consts, len(loop.x_avals), len(loop.carry_avals)
+    ne = 0 if plan is None else len(plan.stored)
+    consts, xs = operands[:nk], operands[nk : nk + nx]
+    kd, steps = operands[nk + nx], operands[nk + nx + 1]
+    pos = nk + nx + 2
+    buf, stride, ext = (
+        operands[pos : pos + nc],
+        operands[pos + nc],
+        operands[pos + nc + 1 : pos + nc + 1 + ne],
+    )
+    cts = operands[pos + nc + 1 + ne :]
+    ct_c, ct_y = cts[: sum(pert.carry)], cts[sum(pert.carry) :]
+    kd = None if loop.keys is None else kd
+    if not batch:
+        use = plan if use_ext else None
+        res = (buf, stride, ext)
+        out = _single.backward(loop, pert, use, consts, xs, kd, res, steps, ct_c, ct_y)
+        return [*out[0], *out[1], *out[2]]
+    if len(batch) > 1:
+        inner = lambda *ops: backward(loop, batch[:-1], pert, plan, use_ext, list(ops))  # noqa: E731
+        level = batch[-1]
+        kflags = take(level.batched[:nk], pert.consts)
+
+        def reduce(out):
+            # A const shared by this level's elements gets their cotangents summed when the
+            # level was batched before differentiation.
+            k = [g.sum(0) if (level.reduce and not b) else g
+                 for g, b in zip(out[: len(kflags)], kflags, strict=True)]  # fmt: skip
+            return k + out[len(kflags) :]
+
+        return _outer_vmap(inner, batch, operands, 0, reduce)
+    return _backward_rows(loop, batch[0], pert, plan, use_ext, consts, xs, kd, steps, buf, stride,
+                          ext, ct_c, ct_y, operands)  # fmt: skip
+
+
+def _backward_rows(loop, level, pert, plan, use_ext, consts, xs, kd, steps, buf, stride, ext,
+                   ct_c, ct_y, operands) -> list:  # fmt: skip
+    nk, nx, nc = len(consts), len(xs), len(buf)
+    flags = level.batched
+    cb, xb, kb, sb = flags[:nk], flags[nk : nk + nx], flags[nk + nx], flags[nk + nx + 1]
+    rb = flags[nk + nx + 2 + nc]  # stride: batched iff the forward pass ran batched here
+    R = level.size
+    if not rb:
+        # The forward pass ran unbatched at this level and only the cotangents (and perhaps
+        # consts) are batched, as in jacrev: the unbatched sweep, mapped over them.
+        inner = lambda *ops: backward(loop, (), pert, plan, use_ext, list(ops))  # noqa: E731
+        return jax.vmap(inner, in_axes=_axes(flags), axis_size=R)(*operands)
+    xs = broadcast_rows(xs, xb, R)
+    kd = None if kd is None else broadcast_rows([kd], [kb], R)[0]
+    steps = broadcast_rows([steps], [sb], R)[0]
+    buf = broadcast_rows(buf, flags[nk + nx + 2 : nk + nx + 2 + nc], R)
+    stride = broadcast_rows([stride], [rb], R)[0]
+    ct_flags = flags[len(flags) - len(ct_c) - len(ct_y) :]
+    ct_c = broadcast_rows(ct_c, ct_flags[: len(ct_c)], R)
+    ct_y = broadcast_rows(ct_y, ct_flags[len(ct_c) :], R)
+    c_axes = _axes(cb)
+    per_row = not level.reduce
+
+    # Which const cotangents have a row axis: a per-row const's, and every one kept per row.
+    k_rows = [ax == 0 or per_row for ax in take(c_axes, pert.consts)]
+
+    def run(consts, xs, kd, buf, stride, steps, ct_c, ct_y):
+        args = (loop, pert, consts, c_axes, xs, kd, (buf, stride), steps, ct_c, ct_y)
+        if sb and not loop.thinning and _schedulable(loop, steps.shape[0]):
+            acc, ct, ct_xs = _schedule.run_with_slots(
+                _schedule.backward_wrapped, steps, loop.slots,
+                _schedule.slot_candidates(steps.shape[0]), *args, per_row=per_row,
+            )  # fmt: skip
+        else:
+            acc, ct, ct_xs = _batched.backward(*args, per_row=per_row)
+        return ct, ct_xs, take(acc, k_rows), take(acc, k_rows, False)
+
+    # Under plain jit with the rows sharded over Explicit mesh axes: one loop per device; the
+    # shared consts' cotangents are summed over the devices afterwards.
+    args = (consts, xs, kd, buf, stride, steps, ct_c, ct_y)
+    in_b = (list(cb), [True] * nx, _leaf_or_none(kd), [True] * nc, True, True,
+            [True] * len(ct_c), [True] * len(ct_y))  # fmt: skip
+    ct, ct_xs, acc_rows, acc_shared = _vma.per_device(
+        run, args, in_b, (steps, buf, ct_c), (lambda acc: [a.sum(0) for a in acc],)
+    )
+    return [*merge(acc_rows, acc_shared, k_rows), *ct, *ct_xs]

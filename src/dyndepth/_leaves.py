@@ -1,0 +1,86 @@
+"""Small helpers over flat lists of leaves and over a leading batch (row) axis."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Leaves = list[Any]
+
+
+def is_diff(x: Any) -> bool:
+    """Whether ``x`` has a floating (differentiable) dtype."""
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def take(leaves: Sequence[Any], mask: Sequence[bool], want: bool = True) -> Leaves:
+    """The leaves whose mask entry equals ``want``."""
+    return [leaf for leaf, m in zip(leaves, mask, strict=True) if m == want]
+
+
+def merge(chosen: Sequence[Any], others: Sequence[Any], mask: Sequence[bool]) -> Leaves:
+    """Inverse of :func:`take`: ``chosen`` where ``mask``, ``others`` elsewhere, in order."""
+    a, b = iter(chosen), iter(others)
+    return [next(a) if m else next(b) for m in mask]
+
+
+def fill(chosen: Sequence[Any], mask: Sequence[bool], other: Any = None) -> Leaves:
+    """``chosen`` where ``mask``, ``other`` elsewhere."""
+    return merge(chosen, [other] * (len(mask) - sum(mask)), mask)
+
+
+def rows_mask(mask: jax.Array, x: jax.Array) -> jax.Array:
+    """Broadcast a (B,) mask against a (B, ...) array."""
+    return mask.reshape(mask.shape + (1,) * (jnp.ndim(x) - 1))
+
+
+def where_rows(mask: jax.Array, new: Sequence[Any], old: Sequence[Any]) -> Leaves:
+    return [jnp.where(rows_mask(mask, a), a, b) for a, b in zip(new, old, strict=True)]
+
+
+def gather_rows(bufs: Sequence[Any], idx: jax.Array) -> Leaves:
+    """``buf[b, idx[b]]`` for every (B, T, ...) buffer; the index is clamped into range."""
+    return [
+        jax.vmap(lambda a, i: lax.dynamic_index_in_dim(a, i, 0, keepdims=False))(buf, idx)
+        for buf in bufs
+    ]
+
+
+def scatter_rows(bufs: Sequence[Any], idx: jax.Array, vals: Sequence[Any], mask) -> Leaves:
+    """``buf[b, idx[b]] = val[b]`` where ``mask[b]``; other rows keep their contents."""
+
+    def one(buf, i, v, m):
+        old = lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
+        return lax.dynamic_update_index_in_dim(buf, jnp.where(m, v, old), i, 0)
+
+    return [jax.vmap(one)(buf, idx, v, mask) for buf, v in zip(bufs, vals, strict=True)]
+
+
+def at_index(bufs: Sequence[Any], i: jax.Array) -> Leaves:
+    """``buf[i]`` for every buffer (no batch axis)."""
+    return [lax.dynamic_index_in_dim(b, i, 0, keepdims=False) for b in bufs]
+
+
+def put_index(bufs: Sequence[Any], i: jax.Array, vals: Sequence[Any]) -> Leaves:
+    """``buf[i] = val`` for every buffer (no batch axis)."""
+    return [lax.dynamic_update_index_in_dim(b, v, i, 0) for b, v in zip(bufs, vals, strict=True)]
+
+
+def expand(leaves: Sequence[Any]) -> Leaves:
+    return [jnp.expand_dims(x, 0) for x in leaves]
+
+
+def squeeze(leaves: Sequence[Any]) -> Leaves:
+    return [x[0] for x in leaves]
+
+
+def broadcast_rows(leaves: Sequence[Any], batched: Sequence[bool], rows: int) -> Leaves:
+    """Give every unbatched leaf a leading axis of ``rows`` (a broadcast, not a copy in XLA)."""
+    return [
+        x if b else jnp.broadcast_to(x, (rows,) + jnp.shape(x))
+        for x, b in zip(leaves, batched, strict=True)
+    ]

@@ -1,0 +1,42 @@
+"""``strategy="masked"``: the seed's method, ``lax.scan`` over all ``max_steps`` with
+``lax.cond``. Plain ``lax`` code: every transformation is JAX's own."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from . import _vma
+from ._batched import stats_of
+from ._step import Loop
+
+
+def run(loop: Loop, consts, cconsts, init, xs, n, kd):
+    """``(carry, ys, steps, stats)``: every step evaluated, those past the end discarded."""
+    zeros_y = [_vma.zeros((), a) for a in loop.y_avals]
+
+    def body(state, i):
+        carry, alive, steps = state
+        live = alive & (i < n)
+        if loop.cond_jaxpr is not None:
+            live = live & loop.cond(cconsts, carry)
+        x = [lax.dynamic_index_in_dim(a, i, 0, keepdims=False) for a in xs]
+        key = None if loop.keys is None else loop.keys.key_at(kd, i)
+
+        def step(carry):
+            return loop.step(consts, carry, x, key)
+
+        if _vma.manual_axes():
+            # Inside shard_map, vmap's rewrite of a cond into a select trips over the varying
+            # types of the branches; run the step and select, which is what vmap does anyway.
+            new_c, new_y = step(carry)
+            carry = [jnp.where(live, a, b) for a, b in zip(new_c, carry, strict=True)]
+            y = [jnp.where(live, a, b) for a, b in zip(new_y, zeros_y, strict=True)]
+        else:
+            carry, y = _vma.cond(live, step, lambda c: (list(c), zeros_y), carry)
+        return (carry, live, steps + live.astype(jnp.int32)), y
+
+    init_state = (list(init), jnp.array(True), jnp.zeros((), jnp.int32))
+    T = loop.max_steps
+    (carry, _, steps), ys = _vma.scan(body, init_state, jnp.arange(T, dtype=jnp.int32))
+    return carry, list(ys), steps, stats_of(jnp.asarray(T, jnp.int32), 1)

@@ -1,0 +1,447 @@
+"""The loop primitives and their transformation rules.
+
+Three primitives, each carrying the loop (:class:`dyndepth._step.Loop`) and its batch
+structure (:class:`dyndepth._dispatch.Level`, what ``vmap`` added) as parameters:
+
+* ``loop_p``: the forward loop; with ``store`` it also returns what the backward pass needs
+  (the carry before every step, checkpoints, stored residuals).
+* ``lin_p``: the tangent of the loop, linear in the tangents of the consts, ``init`` and ``xs``
+  (the forward sweep of the jvp'd step: forward mode); its transpose is ``bwd_p``.
+* ``bwd_p``: the reverse sweep.
+
+A primitive keeps the order in which transformations were applied, which a ``custom_vjp``
+loses. Under ``grad(vmap(f))`` the batching rule runs first and the JVP rule then sees the
+batched loop: its backward pass sums a shared parameter's gradient over the batch inside the
+loop (no per-sample copy). Under ``vmap(grad(f))`` the JVP rule sees the unbatched loop, and
+``bwd_p``'s batching rule keeps every sample's gradient apart, as that composition means.
+
+Only what is perturbed is differentiated (:func:`dyndepth._step.perturbation`): consts nothing
+differentiates stay constants of the backward pass, and a carry leaf no tangent reaches has no
+tangent.
+
+Every rule only rebinds with new parameters; the kernels run when a primitive is lowered (or
+evaluated eagerly), chosen in :mod:`dyndepth._dispatch`. A kernel is traced once per
+parameters and input types; the abstract evaluation reads its output types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive, jaxpr_as_fun
+from jax.interpreters import ad, batching, mlir
+
+from . import _dispatch, _vma
+from ._dispatch import Batch, Level
+from ._leaves import fill, take
+from ._residuals import residual_plan
+from ._step import Loop, Perturbed, const_order, jvp_loop, perturbation
+
+loop_p = Primitive("dyndepth_loop")
+lin_p = Primitive("dyndepth_loop_tangent")
+bwd_p = Primitive("dyndepth_loop_transpose")
+guard_p = Primitive("dyndepth_no_reverse")
+for _p in (loop_p, lin_p, bwd_p, guard_p):
+    _p.multiple_results = True
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _forward_kernel(*ops, loop, batch, store, plan, pert):
+    return _dispatch.forward(loop, batch, store, plan, pert, list(ops))
+
+
+def _backward_kernel(*ops, loop, batch, pert, plan, use_ext):
+    return _dispatch.backward(loop, batch, pert, plan, use_ext, list(ops))
+
+
+def _tangent_kernel(*ops, loop, batch, pert, plan, keep, use_ext):
+    """The tangents: the jvp'd loop (:func:`dyndepth._step.jvp_loop`) run from ``init``."""
+    del use_ext
+    lay = _LinLayout.of(loop, pert, plan, keep)
+    consts, cconsts, init, xs, n, kd, _, t_k, t_i, t_x = lay.split(ops)
+    aug = jvp_loop(loop, pert)
+    both = list(consts) + list(t_k)
+    consts2 = [both[j] for j in const_order(loop, pert)]
+    operands = [*consts2, *cconsts, *init, *t_i, *xs, *t_x, n, kd]
+    aug_batch = tuple(dataclasses.replace(lv, batched=lay.aug_flags(lv.batched)) for lv in batch)
+    outs = loop_p.bind(*operands, loop=aug, batch=aug_batch, store=False, plan=None, pert=None)
+    nc, ny = len(loop.carry_avals), len(loop.y_avals)
+    nc2 = len(aug.carry_avals)
+    return outs[nc:nc2] + outs[nc2 + ny : nc2 + len(aug.y_avals)]
+
+
+_KERNELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_KERNEL_FNS = {"loop": _forward_kernel, "bwd": _backward_kernel}
+
+
+def _kernel_jaxpr(kind: str, params: dict, avals: tuple):
+    """The kernel of ``kind`` traced for these parameters and input types (cached)."""
+    table = _KERNELS.setdefault(params["loop"], {})
+    key = (kind, tuple(sorted((k, v) for k, v in params.items() if k != "loop")), avals,
+           jax.sharding.get_abstract_mesh())  # fmt: skip
+    hit = table.get(key)
+    if hit is None:
+        hit = jax.make_jaxpr(functools.partial(_KERNEL_FNS[kind], **params))(*avals)
+        table[key] = hit
+    return hit
+
+
+def _register(prim: Primitive, kind: str):
+    def abstract_eval(*avals, **params):
+        closed = _kernel_jaxpr(kind, params, tuple(avals))
+        return closed.out_avals, closed.effects
+
+    def lower(*ops, **params):
+        closed = _kernel_jaxpr(kind, params, tuple(jax.typeof(x) for x in ops))
+        return jaxpr_as_fun(closed)(*ops)
+
+    prim.def_effectful_abstract_eval(abstract_eval)
+    prim.def_impl(_eager(prim, _KERNEL_FNS[kind]))
+    mlir.register_lowering(prim, mlir.lower_fun(lower, multiple_results=True))
+
+
+def _eager(prim: Primitive, kernel):
+    """Eager evaluation through a jitted bind, cached on the parameters, so that calling the
+    same loop again does not compile it again (under ``jax.disable_jit``, the kernel itself)."""
+
+    @functools.lru_cache(maxsize=256)
+    def jitted(items):
+        params = dict(items)
+        return jax.jit(lambda *ops: prim.bind(*ops, **params))
+
+    def impl(*ops, **params):
+        if jax.config.jax_disable_jit:
+            return kernel(*ops, **params)
+        return jitted(tuple(sorted(params.items())))(*ops)
+
+    return impl
+
+
+_register(loop_p, "loop")
+_register(bwd_p, "bwd")
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+@dataclasses.dataclass(frozen=True)
+class _LinLayout:
+    """The operands of ``lin_p``: the loop's operands, the forward pass's residuals (with
+    ``keep``: steps, buf, stride, ext), then the tangents of the perturbed consts, carry and
+    xs."""
+
+    loop: Loop
+    pert: Perturbed
+    keep: bool
+    n_ext: int
+
+    @staticmethod
+    def of(loop: Loop, pert: Perturbed, plan, keep: bool) -> _LinLayout:
+        return _LinLayout(loop, pert, keep, 0 if plan is None else len(plan.stored))
+
+    def sizes(self):
+        lp = self.loop
+        nres = (2 + len(lp.carry_avals) + self.n_ext) if self.keep else 0
+        return [lp.n_consts, lp.n_cconsts, len(lp.carry_avals), len(lp.x_avals), 1, 1, nres,
+                sum(self.pert.consts), sum(self.pert.carry), sum(self.pert.xs)]  # fmt: skip
+
+    def split(self, ops):
+        out, pos = [], 0
+        for size in self.sizes():
+            out.append(list(ops[pos : pos + size]))
+            pos += size
+        consts, cconsts, init, xs, n, kd, res, t_k, t_i, t_x = out
+        return consts, cconsts, init, xs, n[0], kd[0], res, t_k, t_i, t_x
+
+    def aug_flags(self, flags):
+        """A level's flags for the jvp'd loop's operands (see :func:`_tangent_kernel`)."""
+        consts, cconsts, init, xs, n, kd, _, t_k, t_i, t_x = self.split(flags)
+        both = list(consts) + list(t_k)
+        consts2 = [both[j] for j in const_order(self.loop, self.pert)]
+        return tuple([*consts2, *cconsts, *init, *t_i, *xs, *t_x, n, kd])
+
+
+def _steps_flags(loop: Loop, batch: Batch) -> list[bool]:
+    """Per level, whether the forward pass's ``steps`` output is batched there."""
+    return [
+        i > 0 or bool(level.batched[-2]) or loop.cond_jaxpr is not None
+        for i, level in enumerate(batch)
+    ]
+
+
+def _move(x, d):
+    return x if d is None or d == 0 else jnp.moveaxis(x, d, 0)
+
+
+def _size(args, dims):
+    return next(jnp.shape(x)[d] for x, d in zip(args, dims, strict=True) if d is not None)
+
+
+# ----------------------------------------------------------------------------- loop_p rules
+
+
+def _loop_batch(args, dims, *, loop, batch, store, plan, pert):
+    flags = tuple(d is not None for d in dims)
+    level = Level(_size(args, dims), flags)
+    args = [_move(x, d) for x, d in zip(args, dims, strict=True)]
+    new = batch + (level,)
+    outs = loop_p.bind(*args, loop=loop, batch=new, store=store, plan=plan, pert=pert)
+    nc, ny = len(loop.carry_avals), len(loop.y_avals)
+    steps_b = _steps_flags(loop, new)[-1]
+    out_dims = [0] * (nc + ny) + [0 if steps_b else None, None]
+    if store:
+        out_dims += [0] * (nc + 1) + [None] * (len(outs) - len(out_dims) - nc - 1)
+    return outs, out_dims
+
+
+batching.primitive_batchers[loop_p] = _loop_batch
+
+
+def _zeros_for(outs):
+    return [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in outs]
+
+
+def _loop_jvp(primals, tangents, *, loop, batch, store, plan, pert):
+    params = dict(loop=loop, batch=batch, store=store, plan=plan, pert=pert)
+    if store:
+        # Already a differentiated loop's forward pass (forward over reverse): forward mode
+        # through the kernel, and no reverse mode over it.
+        return _kernel_jvp(_forward_kernel, params, primals, tangents)
+    nk, ncc, nc, nx = loop.n_consts, loop.n_cconsts, len(loop.carry_avals), len(loop.x_avals)
+    nonzero = [type(t) is not ad.Zero for t in tangents]
+    pert = perturbation(loop, nonzero[:nk], nonzero[nk + ncc : nk + ncc + nc],
+                        nonzero[nk + ncc + nc : nk + ncc + nc + nx])  # fmt: skip
+    if not pert.any:
+        outs = loop_p.bind(*primals, **params)
+        return outs, _zeros_for(outs)
+    keep = loop.strategy != "while"
+    consts, xs = primals[:nk], primals[nk + ncc + nc : nk + ncc + nc + nx]
+    kd = None if loop.keys is None else primals[-1]
+    if keep and not batch:
+        plan = residual_plan(loop, pert, consts, xs, kd)
+    outs = loop_p.bind(*primals, loop=loop, batch=batch, store=keep, plan=plan, pert=pert)
+    ny = len(loop.y_avals)
+    base, res = outs[: nc + ny + 2], outs[nc + ny + 2 :]
+    t_all = [ad.instantiate_zeros(t) for t in tangents]
+    t_in = (take(t_all[:nk], pert.consts) + take(t_all[nk + ncc : nk + ncc + nc], pert.carry)
+            + take(t_all[nk + ncc + nc : nk + ncc + nc + nx], pert.xs))  # fmt: skip
+    res_ops = ([base[nc + ny]] + res) if keep else []
+    lay = _LinLayout.of(loop, pert, plan, keep)
+    lin_batch = tuple(
+        dataclasses.replace(lv, batched=_lin_flags(lay, lv.batched, sb, keep))
+        for lv, sb in zip(batch, _steps_flags(loop, batch), strict=True)
+    )
+    t_out = lin_p.bind(*primals, *res_ops, *t_in, loop=loop, batch=lin_batch, pert=pert,
+                       plan=plan, keep=keep, use_ext=True)  # fmt: skip
+    n_tc = sum(pert.carry)
+    t_carry = fill(t_out[:n_tc], pert.carry)
+    t_ys = fill(t_out[n_tc:], pert.ys)
+    zeros = _zeros_for(base)
+    tangents_out = [z if t is None else t for t, z in zip(t_carry + t_ys, zeros, strict=False)]
+    return base, tangents_out + zeros[nc + ny :]
+
+
+def _lin_flags(lay: _LinLayout, loop_flags, steps_b: bool, keep: bool) -> tuple:
+    nk, ncc, nc = lay.loop.n_consts, lay.loop.n_cconsts, len(lay.loop.carry_avals)
+    nx = len(lay.loop.x_avals)
+    k, i, x = loop_flags[:nk], loop_flags[nk + ncc : nk + ncc + nc], \
+        loop_flags[nk + ncc + nc : nk + ncc + nc + nx]  # fmt: skip
+    res = ([steps_b] + [True] * (nc + 1) + [False] * lay.n_ext) if keep else []
+    return tuple([*loop_flags, *res, *take(k, lay.pert.consts), *take(i, lay.pert.carry),
+                  *take(x, lay.pert.xs)])  # fmt: skip
+
+
+ad.primitive_jvps[loop_p] = _loop_jvp
+
+
+# ----------------------------------------------------------------------------- lin_p rules
+
+
+def _lin_abstract_eval(*avals, loop, batch, pert, plan, keep, use_ext):
+    """The tangents' types: those of the loop's carry and ys outputs (perturbed leaves)."""
+    lay = _LinLayout.of(loop, pert, plan, keep)
+    nres = lay.sizes()[6]
+    n_primal = len(avals) - nres - sum(pert.consts) - sum(pert.carry) - sum(pert.xs)
+    primal = tuple(avals[:n_primal])
+    fwd_batch = tuple(dataclasses.replace(lv, batched=lv.batched[:n_primal]) for lv in batch)
+    # The forward pass that made the residuals, as bound (its kernel is traced already).
+    params = dict(loop=loop, batch=fwd_batch, store=keep, plan=plan, pert=pert if keep else None)
+    closed = _kernel_jaxpr("loop", params, primal)
+    nc, ny = len(loop.carry_avals), len(loop.y_avals)
+    outs = closed.out_avals
+    return take(outs[:nc], pert.carry) + take(outs[nc : nc + ny], pert.ys)
+
+
+def _lin_impl(*ops, **params):
+    return _tangent_kernel(*ops, **params)
+
+
+lin_p.def_abstract_eval(_lin_abstract_eval)
+lin_p.def_impl(_eager(lin_p, _tangent_kernel))
+mlir.register_lowering(lin_p, mlir.lower_fun(_lin_impl, multiple_results=True))
+
+
+def _lin_batch(args, dims, *, loop, batch, pert, plan, keep, use_ext):
+    flags = tuple(d is not None for d in dims)
+    lay = _LinLayout.of(loop, pert, plan, keep)
+    sizes = lay.sizes()
+    stride_pos = sum(sizes[:6]) + 1 + len(loop.carry_avals)
+    if keep and flags[stride_pos]:
+        use_ext = False  # the forward pass ran batched here: its residual buffers are empty
+    level = Level(_size(args, dims), flags)
+    args = [_move(x, d) for x, d in zip(args, dims, strict=True)]
+    outs = lin_p.bind(*args, loop=loop, batch=batch + (level,), pert=pert, plan=plan,
+                      keep=keep, use_ext=use_ext)  # fmt: skip
+    return outs, [0] * len(outs)
+
+
+batching.primitive_batchers[lin_p] = _lin_batch
+
+
+def _lin_jvp(primals, tangents, **params):
+    # The tangent loop is itself a loop primitive: its derivatives go through loop_p's rules.
+    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+    return jax.jvp(lambda *ops: _tangent_kernel(*ops, **params), tuple(primals), tangents)
+
+
+ad.primitive_jvps[lin_p] = _lin_jvp
+
+
+def _lin_transpose(cts, *ops, loop, batch, pert, plan, keep, use_ext):
+    if not keep:
+        raise TypeError(_REVERSE_MSG)
+    lay = _LinLayout.of(loop, pert, plan, keep)
+    consts, cconsts, init, xs, n, kd, res, t_k, t_i, t_x = lay.split(ops)
+    del cconsts, init, n
+    nc = len(loop.carry_avals)
+    steps, buf, stride, ext = res[0], res[1 : 1 + nc], res[1 + nc], res[2 + nc :]
+    n_tc = sum(pert.carry)
+    cts = [ad.instantiate_zeros(c) for c in cts]
+    ct_c, ct_y = cts[:n_tc], cts[n_tc:]
+    bwd_ops = [*consts, *xs, kd, steps, *buf, stride, *ext, *ct_c, *ct_y]
+    bwd_batch = tuple(Level(lv.size, _bwd_flags(lay, lv.batched), reduce=True) for lv in batch)
+    out = bwd_p.bind(*bwd_ops, loop=loop, batch=bwd_batch, pert=pert, plan=plan,
+                     use_ext=use_ext)  # fmt: skip
+    g_k, g_i, g_x = _split3(out, pert)
+    # The tangents of init and xs are shaped like their primals: sum the cotangents over the
+    # levels that did not batch them (the transpose of the broadcast to the rows).
+    flags = [lay.split(lv.batched) for lv in batch]
+    g_i = [_sum_unbatched(g, [f[8][j] for f in flags], batch) for j, g in enumerate(g_i)]
+    g_x = [_sum_unbatched(g, [f[9][j] for f in flags], batch) for j, g in enumerate(g_x)]
+    n_before = len(ops) - len(t_k) - len(t_i) - len(t_x)
+    grads = [None] * n_before + list(g_k) + list(g_i) + list(g_x)
+    out = [g if ad.is_undefined_primal(o) else None for o, g in zip(ops, grads, strict=True)]
+    # Inside shard_map, the cotangent of a value replicated over a mesh axis is the sum of the
+    # per-device cotangents, which the loops keep local (varying): one psum, after the loops.
+    vmas = [_vma.aval_varying(o.aval) if ad.is_undefined_primal(o) else frozenset() for o in ops]
+    return _vma.unvary_to(out, vmas)
+
+
+def _split3(out, pert: Perturbed):
+    a, b = sum(pert.consts), sum(pert.carry)
+    return out[:a], out[a : a + b], out[a + b :]
+
+
+def _sum_unbatched(g, batched_per_level, batch: Batch):
+    """Sum ``g`` (batched at every level) over the levels where the primal is not batched."""
+    axes = tuple(len(batch) - 1 - i for i, b in enumerate(batched_per_level) if not b)
+    return g.sum(axes) if axes else g
+
+
+def _bwd_flags(lay: _LinLayout, lin_flags) -> tuple:
+    consts, _, _, xs, _, kd, res, _, _, _ = lay.split(lin_flags)
+    nt = sum(lay.pert.carry) + sum(lay.pert.ys)
+    return tuple([*consts, *xs, kd, *res, *([True] * nt)])
+
+
+ad.primitive_transposes[lin_p] = _lin_transpose
+
+
+# ----------------------------------------------------------------------------- bwd_p rules
+
+
+def _bwd_batch(args, dims, *, loop, batch, pert, plan, use_ext):
+    flags = tuple(d is not None for d in dims)
+    nk, nx, nc = loop.n_consts, len(loop.x_avals), len(loop.carry_avals)
+    if flags[nk + nx + 2 + nc]:
+        use_ext = False  # the forward pass ran batched here: its residual buffers are empty
+    level = Level(_size(args, dims), flags, reduce=False)
+    args = [_move(x, d) for x, d in zip(args, dims, strict=True)]
+    outs = bwd_p.bind(*args, loop=loop, batch=batch + (level,), pert=pert, plan=plan,
+                      use_ext=use_ext)  # fmt: skip
+    return outs, [0] * len(outs)
+
+
+batching.primitive_batchers[bwd_p] = _bwd_batch
+
+
+def _bwd_jvp(primals, tangents, **params):
+    return _kernel_jvp(_backward_kernel, params, primals, tangents)
+
+
+ad.primitive_jvps[bwd_p] = _bwd_jvp
+
+
+# ----------------------------------------------------------------------------- no reverse
+
+
+_REVERSE_MSG = (
+    'strategy="while" supports forward-mode differentiation (jvp, jacfwd) only; reverse mode '
+    '(grad, vjp, jacrev) needs strategy="checkpointed" (or "auto", which picks it), whose '
+    "forward and backward cost both follow the steps actually taken."
+)
+_SECOND_ORDER_MSG = (
+    "reverse mode over a dyndepth loop's derivative (jax.grad of jax.grad, jax.grad of a vjp) "
+    'is not supported for strategy="auto"/"checkpointed"; use forward over reverse '
+    '(jax.jacfwd(jax.grad(f)), jax.hessian, jax.jvp of jax.grad) or strategy="masked".'
+)
+
+
+def _kernel_jvp(kernel, params, primals, tangents):
+    """Forward mode through a kernel (plain JAX loops), its tangents marked as not
+    reverse-differentiable (with a clear error)."""
+    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+    outs, t_outs = jax.jvp(lambda *ops: kernel(*ops, **params), tuple(primals), tangents)
+    floats = [i for i, t in enumerate(t_outs) if jnp.issubdtype(t.dtype, jnp.inexact)]
+    guarded = guard_p.bind(*[t_outs[i] for i in floats]) if floats else []
+    t_outs = list(t_outs)
+    for i, g in zip(floats, guarded, strict=True):
+        t_outs[i] = g
+    return outs, [t if i in floats else ad.Zero(jax.typeof(o).to_tangent_aval())
+                  for i, (t, o) in enumerate(zip(t_outs, outs, strict=True))]  # fmt: skip
+
+
+guard_p.def_impl(lambda *xs: list(xs))
+guard_p.def_abstract_eval(lambda *avals: list(avals))
+mlir.register_lowering(guard_p, mlir.lower_fun(lambda *xs: list(xs), multiple_results=True))
+batching.primitive_batchers[guard_p] = lambda args, dims: (guard_p.bind(*args), list(dims))
+ad.primitive_jvps[guard_p] = lambda primals, tangents: (
+    guard_p.bind(*primals),
+    guard_p.bind(*[ad.instantiate_zeros(t) for t in tangents]),
+)
+
+
+def _guard_transpose(cts, *args):
+    raise TypeError(_SECOND_ORDER_MSG)
+
+
+ad.primitive_transposes[guard_p] = _guard_transpose
+
+
+# ----------------------------------------------------------------------------- binding
+
+
+def run(loop: Loop, consts, cconsts, init, xs, n, kd) -> tuple[list, list, Any, Any]:
+    """Bind the loop: ``(carry, ys, steps, stats)``."""
+    kd = jnp.zeros((), jnp.uint32) if kd is None else kd
+    outs = loop_p.bind(*consts, *cconsts, *init, *xs, n, kd, loop=loop, batch=(), store=False,
+                       plan=None, pert=None)  # fmt: skip
+    nc, ny = len(loop.carry_avals), len(loop.y_avals)
+    return outs[:nc], outs[nc : nc + ny], outs[nc + ny], outs[nc + ny + 1]

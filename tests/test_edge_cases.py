@@ -1,0 +1,298 @@
+"""What a demanding user tried: callbacks in the step, typed keys in the carry, collectives over
+the ``vmap`` axis, higher-order differentiation, empty carries and batches, ``jax.export`` with a
+symbolic batch, weak types, eager calls, NumPy inputs. Each case is checked against a
+plain-Python loop or ``lax``, or must raise an error that names the cause and the fix."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import reference_repeat, reference_while, tree_allclose
+from jax import lax
+
+import dyndepth as dd
+
+W = jnp.array([[0.5, -0.3, 0.1], [0.2, 0.8, -0.4], [-0.1, 0.3, 0.6]], jnp.float32)
+X = jnp.array([0.3, -0.2, 0.5], jnp.float32)
+XB = jnp.stack([X, -X, 2 * X, X + 1])
+DEPTHS = jnp.array([0, 2, 3, 1], jnp.int32)
+REVERSE = ["auto", "checkpointed"]
+ALL = ["auto", "checkpointed", "masked", "while"]
+
+
+def layer(c):
+    return jnp.tanh(c @ W)
+
+
+# ----------------------------------------------------------------------------- callbacks
+
+
+def _host_add_one(a):
+    return np.asarray(a) + np.float32(1.0)
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_pure_and_io_callbacks_run_forward_only(strategy):
+    """A step with a callback has no JVP; the forward pass must not need one."""
+
+    def pure(c):
+        out = jax.pure_callback(
+            _host_add_one, jax.ShapeDtypeStruct(c.shape, c.dtype), c, vmap_method="sequential"
+        )
+        return out * 0.5
+
+    def io(c):
+        out = jax.experimental.io_callback(_host_add_one, jax.ShapeDtypeStruct(c.shape, c.dtype), c)
+        return out * 0.5
+
+    for step in (pure, io):
+        got = jax.jit(lambda x, s=step: dd.repeat(s, x, 3, max_depth=4, strategy=strategy))(X)
+        tree_allclose(got, reference_repeat(lambda c: (c + 1.0) * 0.5, X, 3))
+    got = jax.vmap(lambda x, d: dd.repeat(pure, x, d, max_depth=4, strategy=strategy))(XB, DEPTHS)
+    want = jnp.stack([reference_repeat(lambda c: (c + 1.0) * 0.5, x, int(d))
+                      for x, d in zip(XB, DEPTHS, strict=True)])  # fmt: skip
+    tree_allclose(got, want)
+
+
+@pytest.mark.parametrize("strategy", REVERSE + ["masked"])
+def test_unperturbed_values_are_not_differentiated(strategy):
+    """An op without a reverse rule (an inner while loop, a callback) applied to values nothing
+    differentiates: the gradient is right, as with lax.scan (only perturbed values are
+    differentiated)."""
+    inner = lax.while_loop(lambda v: v < 2.0, lambda v: v + 0.5, jnp.float32(0.3))
+
+    def body(x):
+        w = lax.while_loop(lambda v: v < 2.0, lambda v: v + 0.5, jnp.float32(0.3))
+        c = jax.pure_callback(lambda: np.float32(0.5), jax.ShapeDtypeStruct((), jnp.float32))
+        return x * jnp.cos(w) + c
+
+    got = jax.grad(lambda x: dd.repeat(body, x, 4, max_depth=4, strategy=strategy))(1.0)
+    tree_allclose(got, jnp.cos(inner) ** 4)
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_typed_key_in_the_carry(strategy):
+    def step(c):
+        key, x = c
+        key, sub = jax.random.split(key)
+        return key, x + jax.random.normal(sub, x.shape)
+
+    init = (jax.random.key(0), X)
+    got = jax.jit(lambda c: dd.repeat(step, c, 3, max_depth=4, strategy=strategy))(init)
+    want = reference_repeat(step, init, 3)
+    tree_allclose(got, want)
+    keys = jax.random.split(jax.random.key(1), 4)
+    got = jax.vmap(lambda k, x, d: dd.repeat(step, (k, x), d, max_depth=4, strategy=strategy))(
+        keys, XB, DEPTHS
+    )
+    want = [reference_repeat(step, (k, x), int(d)) for k, x, d in zip(keys, XB, DEPTHS,
+                                                                       strict=True)]  # fmt: skip
+    tree_allclose(got, jax.tree_util.tree_map(lambda *r: jnp.stack(r), *want))
+    if strategy != "while":
+        g = jax.grad(lambda x: jnp.sum(dd.repeat(step, (jax.random.key(0), x), 3, max_depth=4,
+                                                 strategy=strategy)[1]))(X)  # fmt: skip
+        tree_allclose(g, jnp.ones(3))
+
+
+def test_raw_keys_of_the_default_implementation_are_accepted():
+    """With the rbg PRNG implementation as default, PRNGKey gives uint32[4] keys."""
+    jax.config.update("jax_default_prng_impl", "rbg")
+    try:
+        key = jax.random.PRNGKey(0)
+        assert key.shape == (4,)
+        step = lambda c, k: c + jax.random.normal(k, c.shape)  # noqa: E731
+        got = dd.repeat(step, X, 2, max_depth=3, key=key)
+        tree_allclose(got, reference_repeat(step, X, 2, key=key))
+        tree_allclose(dd.step_key(key, 1), jax.random.fold_in(key, 1))
+    finally:
+        jax.config.update("jax_default_prng_impl", "threefry2x32")
+    with pytest.raises(TypeError, match=r"uint32 array of shape \(2,\)"):
+        dd.repeat(step, X, 2, max_depth=3, key=jnp.zeros((4,), jnp.uint32))
+
+
+@pytest.mark.parametrize("i", [-1, 1.5, True, jnp.float32(2.0)])
+def test_step_key_rejects_bad_indices(i):
+    exc = ValueError if i == -1 else TypeError
+    with pytest.raises(exc, match="`i` must be"):
+        dd.step_key(jax.random.PRNGKey(0), i)
+
+
+# ----------------------------------------------------------------------------- the vmap axis
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_collectives_over_the_vmap_axis_in_the_step(strategy):
+    """pmean and axis_index over the enclosing vmap's axis: every sample steps in lockstep (as
+    lax.while_loop and scan + cond under vmap do); values and gradients equal "masked"."""
+
+    def step(c):
+        return c - 0.5 * lax.pmean(c, "b") + 0.1 * lax.axis_index("b").astype(c.dtype)
+
+    def run(s):
+        f = lambda x, d: dd.repeat(step, x, d, max_depth=4, strategy=s)  # noqa: E731
+        return jax.vmap(f, axis_name="b")
+
+    tree_allclose(run(strategy)(XB, DEPTHS), run("masked")(XB, DEPTHS))
+    if strategy != "while":
+        loss = lambda s: lambda x: jnp.sum(run(s)(x, DEPTHS) ** 2)  # noqa: E731
+        tree_allclose(jax.grad(loss(strategy))(XB), jax.grad(loss("masked"))(XB))
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_collective_in_the_stop_predicate(strategy):
+    cond = lambda s: lax.pmax(s[1], "b") < 3  # noqa: E731
+    body = lambda s: (layer(s[0]), s[1] + 1)  # noqa: E731
+    f = lambda x, i: dd.while_loop(cond, body, (x, i), max_steps=5, strategy=strategy)  # noqa: E731
+    got = jax.vmap(f, axis_name="b")(XB, jnp.array([0, 1, 2, 0], jnp.int32))
+    # The largest counter reaches 3 after one step: every sample takes exactly one step.
+    tree_allclose(got[0], jax.vmap(layer)(XB))
+
+
+# ----------------------------------------------------------------------------- higher order
+
+
+@pytest.mark.parametrize("strategy", REVERSE)
+def test_forward_mode_of_the_reverse_mode_strategies(strategy):
+    f = lambda a: dd.repeat(lambda c: jnp.sin(c) * a, X, 3, max_depth=4, strategy=strategy)  # noqa: E731
+    ref = lambda a: reference_repeat(lambda c: jnp.sin(c) * a, X, 3)  # noqa: E731
+    tree_allclose(jax.jvp(f, (0.7,), (1.0,)), jax.jvp(ref, (0.7,), (1.0,)))
+    tree_allclose(jax.jacfwd(f)(0.7), jax.jacfwd(ref)(0.7))
+
+
+@pytest.mark.parametrize("strategy", REVERSE)
+def test_second_order(strategy):
+    """Forward over reverse (hessian, jacfwd of grad) and reverse over forward work, unbatched
+    and under vmap; reverse over reverse raises an error that says what to use instead."""
+
+    def f(a, x=X, d=3):
+        out = dd.repeat(lambda c: jnp.sin(c) * a, x, d, max_depth=4, strategy=strategy)
+        return jnp.sum(out)
+
+    def ref(a, x=X, d=3):
+        return jnp.sum(reference_repeat(lambda c: jnp.sin(c) * a, x, d))
+
+    tree_allclose(jax.hessian(f)(0.7), jax.hessian(ref)(0.7), rtol=1e-4, atol=1e-4)
+    tree_allclose(jax.jacfwd(jax.grad(f))(0.7), jax.jacfwd(jax.grad(ref))(0.7), rtol=1e-4)
+    rof = lambda g: jax.grad(lambda a: jax.jvp(g, (a,), (1.0,))[1])  # noqa: E731
+    tree_allclose(rof(f)(0.7), rof(ref)(0.7), rtol=1e-4, atol=1e-4)
+    batched = lambda a: jax.vmap(lambda x, d: f(a, x, d))(XB, DEPTHS).sum()  # noqa: E731
+    batched_ref = lambda a: sum(ref(a, x, int(d)) for x, d in zip(XB, DEPTHS, strict=True))  # noqa: E731
+    tree_allclose(jax.hessian(batched)(0.7), jax.hessian(batched_ref)(0.7), rtol=1e-4, atol=1e-4)
+    with pytest.raises(TypeError, match=r"jacfwd\(jax.grad\(f\)\)"):
+        jax.grad(jax.grad(f))(0.7)
+
+
+# ----------------------------------------------------------------------------- empty things
+
+
+@pytest.mark.parametrize("strategy", ALL)
+@pytest.mark.parametrize("carry", [None, (), {}], ids=["None", "tuple", "dict"])
+def test_empty_carries(strategy, carry):
+    f = lambda d: dd.repeat(lambda c: c, carry, d, max_depth=3, strategy=strategy)  # noqa: E731
+    assert f(2) == carry
+    assert jax.vmap(f)(DEPTHS) == carry
+    out = dd.while_loop(lambda c: True, lambda c: c, carry, max_steps=2, strategy=strategy,
+                        return_steps=True)  # fmt: skip
+    assert out[0] == carry and int(out[1]) == 2
+
+
+def test_empty_batches():
+    f = lambda c: c + 1.0  # noqa: E731
+    empty = jnp.zeros((0, 3))
+    got = dd.repeat_batched(f, empty, jnp.zeros((0,), jnp.int32), max_depth=3)
+    assert got.shape == (0, 3)
+    got = jax.vmap(lambda x, d: dd.repeat(f, x, d, max_depth=3))(empty, jnp.zeros((0,), jnp.int32))
+    assert got.shape == (0, 3)
+
+
+# ----------------------------------------------------------------------------- types, caching
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_weakly_typed_init_follows_lax(strategy):
+    cond, body = (lambda v: v < 2), (lambda v: v + jnp.int8(1))
+    got = dd.while_loop(cond, body, 0, max_steps=5, strategy=strategy)
+    want = lax.while_loop(cond, body, 0)
+    assert got.dtype == want.dtype == jnp.int8 and int(got) == int(want)
+    got = dd.repeat(lambda c: c * jnp.float16(2), 1.0, 3, max_depth=4, strategy=strategy)
+    assert got.dtype == jnp.float16 and float(got) == 8.0
+
+
+def test_eager_calls_with_the_same_step_do_not_compile_again():
+    counts = []
+
+    def step(c):
+        counts.append(1)  # runs once per trace
+        return jnp.tanh(c @ W)
+
+    for _ in range(3):
+        dd.repeat(step, X, 2, max_depth=4)
+        dd.repeat(step, X + 1.0, 3, max_depth=4)
+    assert len(counts) == 1
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_nested_loops_under_eager_vmap_over_numpy(strategy):
+    xs = np.asarray(XB)
+
+    def inner(c):
+        return dd.repeat(layer, c, 2, max_depth=2, strategy=strategy)
+
+    got = jax.vmap(lambda x: dd.repeat(inner, x, 2, max_depth=2, strategy=strategy))(xs)
+    tree_allclose(got, jax.vmap(lambda x: reference_repeat(layer, x, 4))(XB))
+
+
+@pytest.mark.parametrize("strategy", REVERSE + ["masked", "while"])
+def test_export_with_a_symbolic_batch(strategy):
+    def f(x, d):
+        return jax.vmap(lambda x, d: dd.repeat(layer, x, d, max_depth=4, strategy=strategy))(x, d)
+
+    b = jax.export.symbolic_shape("b")[0]
+    avals = (jax.ShapeDtypeStruct((b, 3), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32))
+    exported = jax.export.export(jax.jit(f))(*avals)
+    want = jnp.stack([reference_repeat(layer, x, int(d)) for x, d in zip(XB, DEPTHS, strict=True)])
+    tree_allclose(exported.call(XB, DEPTHS), want)
+    if strategy != "while":
+        g = lambda x, d: jax.grad(lambda x: jnp.sum(f(x, d) ** 2))(x)  # noqa: E731
+        exported = jax.export.export(jax.jit(g))(*avals)
+        tree_allclose(exported.call(XB, DEPTHS), jax.jit(g)(XB, DEPTHS))
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_argument_errors_name_the_argument():
+    with pytest.raises(TypeError, match=r"`f` must return a pair `\(carry, y\)`"):
+        dd.scan(lambda c, x: c, X, None, depth=1, length=2)
+    with pytest.raises(TypeError, match="`checked` must be a static Python bool"):
+        dd.repeat(layer, X, 1, max_depth=3, checked="yes")
+    with pytest.raises(ValueError, match="`checkpoints`=2 applies to strategy"):
+        dd.repeat(layer, X, 1, max_depth=3, checkpoints=2, strategy="masked")
+    with pytest.raises(ValueError, match="`slots`=2 sets the per-sample scheduler"):
+        dd.repeat(layer, X, 1, max_depth=3, slots=2, strategy="checkpointed")
+    with pytest.raises(TypeError, match="`return_steps` must be a static Python bool"):
+        dd.while_loop(lambda c: True, layer, X, max_steps=2, return_steps=1)
+
+
+def test_while_loop_step_evaluations_match_its_docstring():
+    """``checkpoints=None``: forward + backward evaluate the step ``steps`` times unbatched
+    (stored residuals) and ``2 * steps`` under vmap."""
+    from helpers import Counter
+
+    counter = Counter()
+
+    def body(c):
+        counter.tick()
+        return layer(c)
+
+    cond = lambda c: jnp.sum(c) < 10.0  # noqa: E731
+    steps = reference_while(cond, layer, X, 5)[1]
+    loss = lambda x: jnp.sum(dd.while_loop(cond, body, x, max_steps=5))  # noqa: E731
+    assert counter.run(jax.jit(jax.grad(loss)), X) == steps
+    vloss = lambda xs: jnp.sum(jax.vmap(lambda x: dd.while_loop(cond, body, x, max_steps=5))(xs))  # noqa: E731
+    assert counter.run(jax.jit(jax.grad(vloss)), X[None]) == 2 * steps

@@ -84,22 +84,41 @@ def test_adaptive_eval_on_a_tiny_model():
     steps, lengths = np.asarray(res["steps"]), np.asarray(res["lengths"])
     assert len(steps) == len(lengths) == 24 and lengths.min() >= 3 and lengths.max() <= 12
     assert res["same_as_lax"] and res["same_as_counted_run"]
-    fixed, dd, lax_row = res["contenders"]
+    fixed, longest_first, drawn, lax_row = res["contenders"]
     assert np.all(steps <= np.ceil(0.8 * lengths))
     assert 1 <= res["fixed_iterations"] <= steps.max()
     assert fixed["executed"] == fixed["useful"] == 24 * res["fixed_iterations"]
-    assert dd["useful"] == lax_row["useful"] == steps.sum()
-    assert dd["useful"] <= dd["executed"]  # counted in the loop body
-    assert lax_row["executed"] == 24 * steps.max()
-    assert dd["accuracy"] == lax_row["accuracy"] == pytest.approx(np.mean(res["solved"]))
+    for row in (longest_first, drawn):
+        assert row["useful"] == steps.sum() <= row["executed"]  # counted in the loop body
+        assert row["accuracy"] == pytest.approx(np.mean(res["solved"]))
+        assert row["mean_iterations"] == pytest.approx(steps.mean())
+    assert lax_row["useful"] == steps.sum() and lax_row["executed"] == 24 * steps.max()
+    assert lax_row["accuracy"] == pytest.approx(np.mean(res["solved"]))
     # the fixed count is the first count reaching the adaptive accuracy (or the curve's best)
     curve = np.asarray(res["fixed_curve"])
-    goal = min(dd["accuracy"], curve.max())
+    goal = min(drawn["accuracy"], curve.max())
     assert fixed["accuracy"] == pytest.approx(curve[res["fixed_iterations"] - 1])
     assert curve[res["fixed_iterations"] - 1] >= goal
     assert np.all(curve[: res["fixed_iterations"] - 1] < goal)
+    # solved_from: the iteration from which each string stays solved through the curve's end
+    solved_from = np.asarray(res["solved_from"])
+    assert np.all((solved_from >= 0) & (solved_from <= len(curve)))
     text = evaluate.adaptive_table(res)
-    assert "| adaptive, dyndepth.while_loop under vmap |" in text
+    assert "| adaptive, dyndepth.while_loop under vmap, longest first |" in text
+    assert "| adaptive, vmap(lax.while_loop) |" in text and text.count("\n") == 5
+
+
+def test_adaptive_table_speedups():
+    def row(name, seconds):
+        return dict(
+            contender=name, accuracy=1.0, mean_iterations=2.0, executed=8, useful=4,
+            seconds=seconds, compile_seconds=0.0,
+        )  # fmt: skip
+
+    res = {"contenders": [row("fixed", 4.0), row("adaptive", 1.0), row("lax", 2.0)]}
+    lines = evaluate.adaptive_table(res).splitlines()
+    assert lines[3].endswith("| 1.00 s | 4.00x | 2.00x |")  # the adaptive row
+    assert lines[4].endswith("| 2.00 s | 2.00x | 1.00x |")  # the lax row
 
 
 def test_missing_matplotlib_says_how_to_get_the_plots(tmp_path, monkeypatch):

@@ -50,6 +50,7 @@ class Config:
     adaptive_min_length: int = _eval(16)
     patience: int = _eval(3)
     stop_budget: float = _eval(1.0)
+    adaptive_repeats: int = _eval(2)  # wall times: the fastest of this many rounds
 
 
 # ``--quick``: a seconds-long smoke run. Flags given explicitly win over these values.
@@ -72,6 +73,7 @@ QUICK = dict(
     adaptive_batch=16,
     adaptive_min_length=4,
     patience=2,
+    adaptive_repeats=1,
 )
 
 

@@ -12,8 +12,12 @@ own stop rule fires: *its predicted bits have not changed for ``patience`` conse
 iterations*, or its budget of ``stop_budget`` iterations per bit is used up (a string whose
 predictions never settle, which happens for strings the net gets wrong, would otherwise run to
 the loop's bound). The loop is ``dyndepth.while_loop`` under ``vmap``: the
-library's per-sample scheduler refills a slot as soon as its string stops, so the batch costs
-about the sum of the iterations the strings take. Compared on the same strings with
+library's per-sample scheduler runs a quarter of the batch at a time and refills a slot as soon
+as its string stops, so the batch costs about the sum of the iterations the strings take. It
+loads strings in batch order, so the batch goes in longest first (the lengths are known, the
+stopping iterations are not): the long strings start early and the tail stays short; the same
+loop on the strings in their drawn (random) order is reported too. Compared on the same strings
+with
 
 - a fixed iteration count for the whole batch (the smallest count at which the batch's accuracy
   reaches the adaptive accuracy, or the best it reaches within the adaptive run's longest stop:
@@ -21,6 +25,9 @@ about the sum of the iterations the strings take. Compared on the same strings w
   ``lax.fori_loop``;
 - ``jax.vmap`` of ``lax.while_loop`` with the same rule (every string runs until the batch's
   slowest stops; finished strings are masked).
+
+Wall times: each contender compiled ahead of time, then all run in turn, ``adaptive_repeats``
+rounds; the fastest run of each.
 """
 
 from __future__ import annotations
@@ -263,105 +270,166 @@ def _count_executed(params, dilations, patience, max_steps, x, m, cap):
     return np.asarray(pred), np.asarray(steps), count[0]
 
 
-def _timed(fn, *args):
-    """Compile ``fn`` ahead of time, then run it once: ``(output, run seconds, compile
-    seconds)``."""
-    t0 = time.perf_counter()
-    compiled = jax.jit(fn).lower(*args).compile()
-    t1 = time.perf_counter()
-    out = jax.block_until_ready(compiled(*args))
-    return out, time.perf_counter() - t1, t1 - t0
+def _timed(contenders, repeats):
+    """Compile each ``(fn, args)`` of the dict ``contenders`` ahead of time, then run them in
+    turn, ``repeats`` rounds: per name ``(output, fastest run seconds, compile seconds)``.
+    Taking turns spreads a change in the machine's load over all contenders."""
+    compiled, compile_seconds, runs, outputs = {}, {}, {}, {}
+    for name, (fn, args) in contenders.items():
+        t0 = time.perf_counter()
+        compiled[name] = jax.jit(fn).lower(*args).compile()
+        compile_seconds[name] = time.perf_counter() - t0
+    for _ in range(repeats):
+        for name, (_, args) in contenders.items():
+            check_interrupt("interrupted during the adaptive evaluation")
+            t0 = time.perf_counter()
+            outputs[name] = jax.block_until_ready(compiled[name](*args))
+            runs.setdefault(name, []).append(time.perf_counter() - t0)
+    return {name: (outputs[name], min(runs[name]), compile_seconds[name]) for name in contenders}
 
 
-def adaptive_eval(params, cfg, *, max_length=None, batch=None, key=None):
+class _Strings:
+    """The adaptive evaluation's test strings, as drawn (random lengths) and longest first."""
+
+    def __init__(self, cfg, max_length, batch, key):
+        x, t, m, lengths = make_mixed_batch(key, batch, cfg.adaptive_min_length, max_length)
+        self.x, self.t, self.m = x, t, m
+        self.lengths = np.asarray(lengths)
+        self.cap = budgets(m, cfg.stop_budget)
+        self.order = np.argsort(-self.lengths, kind="stable")  # longest first
+
+    def solved(self, pred, order=None):
+        """Per string (in drawn order): every bit of ``pred`` right; ``pred`` in ``order``."""
+        pred = np.asarray(pred)
+        if order is not None:
+            pred = pred[np.argsort(order)]
+        return np.all((pred == np.asarray(self.t)) | (np.asarray(self.m) == 0), axis=1)
+
+    def sorted_args(self):
+        o = self.order
+        return self.x[o], self.m[o], self.cap[o]
+
+
+def _fixed_count_for(params, s, cfg, goal, longest):
+    """The smallest count at which the whole batch reaches ``goal`` accuracy (or its best
+    within ``longest`` iterations): ``(count, accuracy curve, solved_from)``, where
+    ``solved_from[b]`` is the iteration from which string ``b`` stays solved (0: never)."""
+    solved = solved_matrix(
+        params, s.x, s.t, s.m, cfg, max_iters=longest, stop=lambda acc: acc[-1] >= goal
+    )
+    curve = solved.mean(axis=1)
+    count = int(np.flatnonzero(curve >= min(goal, curve.max()))[0]) + 1
+    stays = np.flip(np.cumprod(np.flip(solved, 0), 0), 0).sum(0)
+    return count, curve, np.where(stays > 0, len(curve) - stays + 1, 0)
+
+
+def _row(contender, accuracy, iterations, executed, useful, timing):
+    _, seconds, compile_seconds = timing
+    return {
+        "contender": contender,
+        "accuracy": float(accuracy),
+        "mean_iterations": float(np.mean(iterations)),
+        "executed": int(executed),
+        "useful": int(useful),
+        "seconds": seconds,
+        "compile_seconds": compile_seconds,
+    }
+
+
+ADAPTIVE = "adaptive, dyndepth.while_loop under vmap"
+
+
+def adaptive_eval(params, cfg, *, max_length=None, batch=None, key=None, repeats=None):
     """The adaptive-vs-fixed comparison on ``batch`` strings of lengths drawn uniformly from
-    ``[cfg.adaptive_min_length, max_length]``: a dict with per-string ``lengths``, ``steps``
-    and ``solved``, the fixed count's accuracy curve on the same strings, and per contender
-    its accuracy, iterations, executed and useful sample-iterations, run and compile
-    seconds. Each string's budget is ``cfg.stop_budget`` iterations per bit."""
+    ``[cfg.adaptive_min_length, max_length]``, each with a budget of ``cfg.stop_budget``
+    iterations per bit. Returns a dict with per-string ``lengths``, ``steps``, ``solved`` and
+    ``solved_from`` (in drawn order), the fixed count and its accuracy curve on the same
+    strings, and per contender (``contenders``) its accuracy, mean iterations, executed and
+    useful sample-iterations, fastest of ``repeats`` run times and compile time.
+
+    The adaptive loop runs twice: on the strings longest first (the lengths are known, the
+    stopping iterations are not; long strings start first, so the scheduler's tail stays
+    short) and in the drawn order."""
     max_length = max(cfg.eval_lengths) if max_length is None else max_length
     batch = cfg.adaptive_batch if batch is None else batch
     key = jax.random.PRNGKey(777) if key is None else key
-    x, t, m, lengths = make_mixed_batch(key, batch, cfg.adaptive_min_length, max_length)
-    cap = budgets(m, cfg.stop_budget)
-    max_steps = int(cap.max())
-    dil, patience = tuple(cfg.dilations), cfg.patience
-    tn = np.asarray(t)
-    mn = np.asarray(m)
+    repeats = cfg.adaptive_repeats if repeats is None else repeats
+    s = _Strings(cfg, max_length, batch, key)
+    dil, patience, max_steps = tuple(cfg.dilations), cfg.patience, int(s.cap.max())
 
-    def accuracy(pred):
-        return float(np.mean(np.all((np.asarray(pred) == tn) | (mn == 0), axis=1)))
-
-    # 1. The adaptive run, counting the sample-iterations the scheduler executes (untimed).
+    # 1. The adaptive runs, counting the sample-iterations the scheduler executes (untimed).
     check_interrupt("interrupted during the adaptive evaluation")
-    pred, steps, executed = _count_executed(params, dil, patience, max_steps, x, m, cap)
-    solved = np.all((pred == tn) | (mn == 0), axis=1)
-    acc_adaptive = float(solved.mean())
-    longest = int(steps.max())
-
-    # 2. The fixed count on the same strings: the accuracy after every count, until it reaches
-    # the adaptive accuracy (at most up to the longest adaptive run).
-    curve_solved = solved_matrix(
-        params, x, t, m, cfg, max_iters=longest, stop=lambda acc: acc[-1] >= acc_adaptive
+    pred, steps, executed_drawn = _count_executed(params, dil, patience, max_steps, s.x, s.m, s.cap)
+    pred_sorted, steps_sorted, executed_sorted = _count_executed(
+        params, dil, patience, max_steps, *s.sorted_args()
     )
-    curve = curve_solved.mean(axis=1)
-    reached = np.flatnonzero(curve >= min(acc_adaptive, curve.max()))
-    fixed = int(reached[0]) + 1
-    # the iteration from which each string stays solved through the curve's end (0: never)
-    ran = len(curve)
-    stays = np.flip(np.cumprod(np.flip(curve_solved, 0), 0), 0).sum(0)
-    solved_from = np.where(stays > 0, ran - stays + 1, 0)
-
-    # 3. Wall time, each compiled ahead of time and run once.
-    check_interrupt("interrupted during the adaptive evaluation")
-    (p_dd, s_dd), run_dd, comp_dd = _timed(
-        lambda p, x, m, c: adaptive_dyndepth(p, dil, patience, max_steps, x, m, c),
-        params,
-        x,
-        m,
-        cap,
-    )
-    check_interrupt("interrupted during the adaptive evaluation")
-    (p_lax, s_lax), run_lax, comp_lax = _timed(
-        lambda p, x, m, c: adaptive_lax(p, dil, patience, max_steps, x, m, c),
-        params,
-        x,
-        m,
-        cap,
-    )
-    check_interrupt("interrupted during the adaptive evaluation")
-    p_fix, run_fix, comp_fix = _timed(
-        lambda p, x, m: fixed_count(p, dil, fixed, x, m), params, x, m
-    )
+    solved = s.solved(pred)
     useful = int(steps.sum())
+
+    # 2. The fixed count reaching the adaptive accuracy on the same strings.
+    fixed, curve, solved_from = _fixed_count_for(
+        params, s, cfg, float(solved.mean()), int(steps.max())
+    )
+
+    # 3. Wall times: compiled ahead of time, run in turn; the fastest of `repeats` rounds.
+    def adaptive(p, x, m, c):
+        return adaptive_dyndepth(p, dil, patience, max_steps, x, m, c)
+
+    def lax_loop(p, x, m, c):
+        return adaptive_lax(p, dil, patience, max_steps, x, m, c)
+
+    timings = _timed(
+        {
+            "fixed": (lambda p, x, m: fixed_count(p, dil, fixed, x, m), (params, s.x, s.m)),
+            "sorted": (adaptive, (params, *s.sorted_args())),
+            "drawn": (adaptive, (params, s.x, s.m, s.cap)),
+            "lax": (lax_loop, (params, s.x, s.m, s.cap)),
+        },
+        repeats,
+    )
+    t_fix, t_sorted, t_drawn, t_lax = (timings[k] for k in ("fixed", "sorted", "drawn", "lax"))
+    p_sorted, s_sorted = t_sorted[0]
+    p_drawn, s_drawn = t_drawn[0]
+    p_lax, s_lax = t_lax[0]
     rows = [
-        {
-            "contender": f"fixed count ({fixed} iterations, whole batch)",
-            "accuracy": accuracy(p_fix),
-            "mean_iterations": float(fixed),
-            "useful": batch * fixed,
-            "executed": batch * fixed,
-            "seconds": run_fix,
-            "compile_seconds": comp_fix,
-        },
-        {
-            "contender": "adaptive, dyndepth.while_loop under vmap",
-            "accuracy": accuracy(p_dd),
-            "mean_iterations": float(np.mean(s_dd)),
-            "useful": useful,
-            "executed": executed,
-            "seconds": run_dd,
-            "compile_seconds": comp_dd,
-        },
-        {
-            "contender": "adaptive, vmap(lax.while_loop)",
-            "accuracy": accuracy(p_lax),
-            "mean_iterations": float(np.mean(s_lax)),
-            "useful": useful,
-            "executed": batch * int(np.max(s_lax)),
-            "seconds": run_lax,
-            "compile_seconds": comp_lax,
-        },
+        _row(
+            f"fixed count ({fixed} iterations, whole batch)",
+            s.solved(t_fix[0]).mean(),
+            fixed,
+            batch * fixed,
+            batch * fixed,
+            t_fix,
+        ),
+        _row(
+            f"{ADAPTIVE}, longest first",
+            s.solved(p_sorted, s.order).mean(),
+            s_sorted,
+            executed_sorted,
+            useful,
+            t_sorted,
+        ),
+        _row(
+            f"{ADAPTIVE}, in drawn order",
+            s.solved(p_drawn).mean(),
+            s_drawn,
+            executed_drawn,
+            useful,
+            t_drawn,
+        ),
+        _row(
+            "adaptive, vmap(lax.while_loop)",
+            s.solved(p_lax).mean(),
+            s_lax,
+            batch * int(np.max(s_lax)),
+            useful,
+            t_lax,
+        ),
+    ]
+    same = [
+        np.array_equal(np.asarray(s_drawn), np.asarray(s_lax)),
+        np.array_equal(np.asarray(p_drawn), np.asarray(p_lax)),
+        np.array_equal(np.asarray(s_sorted), np.asarray(s_lax)[s.order]),
+        np.array_equal(np.asarray(p_sorted), np.asarray(p_lax)[s.order]),
     ]
     return {
         "rule": f"stop when the predicted bits are unchanged for {patience} consecutive "
@@ -369,31 +437,42 @@ def adaptive_eval(params, cfg, *, max_length=None, batch=None, key=None):
         "strings": batch,
         "min_length": cfg.adaptive_min_length,
         "max_length": max_length,
-        "lengths": np.asarray(lengths).tolist(),
+        "lengths": s.lengths.tolist(),
         "steps": steps.tolist(),
         "solved": solved.tolist(),
         "solved_from": solved_from.tolist(),
-        "accuracy": acc_adaptive,
+        "accuracy": float(solved.mean()),
         "fixed_iterations": fixed,
         "fixed_curve": curve.tolist(),
-        "same_as_lax": bool(np.array_equal(np.asarray(s_dd), np.asarray(s_lax)))
-        and bool(np.array_equal(np.asarray(p_dd), np.asarray(p_lax))),
-        "same_as_counted_run": bool(np.array_equal(np.asarray(s_dd), steps)),
+        "timing_repeats": repeats,
+        "same_as_lax": bool(all(same)),
+        "same_as_counted_run": bool(
+            np.array_equal(np.asarray(s_drawn), steps)
+            and np.array_equal(steps_sorted, steps[s.order])
+            and np.array_equal(pred_sorted, pred[s.order])
+        ),
         "contenders": rows,
     }
 
 
+def _speedup(base, row):
+    """How many times faster ``row`` ran than ``base``."""
+    return f"{base['seconds'] / row['seconds']:.2f}x"
+
+
 def adaptive_table(res):
-    fixed = res["contenders"][0]
+    """The adaptive-vs-fixed comparison as a Markdown table."""
+    fixed, lax_row = res["contenders"][0], res["contenders"][-1]
     lines = [
-        "| evaluation | accuracy | iterations per string | executed sample-iterations | "
-        "useful | executed / useful | wall time | vs fixed count |",
-        "|---|---|---|---|---|---|---|---|",
+        "| evaluation | accuracy | iterations per string (mean) | executed sample-iterations | "
+        "useful | executed / useful | wall time | speed-up vs fixed count | "
+        "speed-up vs vmap(lax.while_loop) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["contenders"]:
         lines.append(
-            f"| {r['contender']} | {100 * r['accuracy']:.1f}% | {r['mean_iterations']:.1f} "
-            f"(mean) | {r['executed']} | {r['useful']} | {r['executed'] / r['useful']:.2f} | "
-            f"{r['seconds']:.2f} s | {fixed['seconds'] / r['seconds']:.2f}x faster |"
+            f"| {r['contender']} | {100 * r['accuracy']:.1f}% | {r['mean_iterations']:.1f} | "
+            f"{r['executed']} | {r['useful']} | {r['executed'] / r['useful']:.2f} | "
+            f"{r['seconds']:.2f} s | {_speedup(fixed, r)} | {_speedup(lax_row, r)} |"
         )
     return "\n".join(lines)

@@ -1,10 +1,21 @@
-"""The command line: `dyndepth bench --quick` and `dyndepth demo` end to end, in-process."""
+"""The command line: `dyndepth bench --quick` end to end, in-process; argument errors (one line,
+exit status 2); resuming into a folder trained with another configuration; `dyndepth eval`'s
+table; Ctrl-C during compilation and training (in a subprocess)."""
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
 
+import numpy as np
 import pytest
 
-from dyndepth import _cli
+from dyndepth._app import cli as _cli
+from dyndepth._app import demo, train
+from dyndepth._app.config import QUICK, Config, replace
 
 
 def test_bench_quick_runs_and_writes_json_and_plot(tmp_path, capsys):
@@ -33,20 +44,195 @@ def test_bench_quick_runs_and_writes_json_and_plot(tmp_path, capsys):
 
 
 def test_bench_help_documents_plot(capsys):
-    with pytest.raises(SystemExit) as e:
-        _cli.main(["bench", "--help"])
-    assert e.value.code == 0
+    assert _cli.main(["bench", "--help"]) == 0
     text = capsys.readouterr().out
     assert "--plot PNG" in text and "nothing is drawn without this option" in text
     assert "big-params" in text and "--max-temp-gib" in text
 
 
 def test_bench_rejects_unknown_workload(capsys):
-    with pytest.raises(SystemExit):
-        _cli.main(["bench", "nope", "--quick"])
+    assert _cli.main(["bench", "nope", "--quick"]) == 2
     assert "unknown workload 'nope'" in capsys.readouterr().err
 
 
 def test_demo_seed_task_rejects_devices(capsys):
     assert _cli.main(["demo", "--task", "seed", "--devices", "2"]) == 2
     assert "--devices 2 applies to the prefix-sums training only" in capsys.readouterr().err
+
+
+def test_import_dyndepth_does_not_import_the_app():
+    """The library never imports the application (demo, bench, CLI), nor tqdm or matplotlib."""
+    code = (
+        "import dyndepth, dyndepth.nn, sys; "
+        "bad = sorted(m for m in sys.modules if m.startswith('dyndepth._app') "
+        "or m.split('.')[0] in ('tqdm', 'matplotlib')); "
+        "assert not bad, bad"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A checkpoint of the --quick configuration after 2 steps, in its own --out folder."""
+    out = tmp_path_factory.mktemp("tiny")
+    cfg = replace(Config(), **{**QUICK, "steps": 2})
+    train.train(cfg, str(out), log=lambda *a, **k: None)
+    return out / "alpha=1.ckpt.npz"
+
+
+def _bad_checkpoints(tmp_path, ckpt):
+    corrupt = tmp_path / "corrupt.ckpt.npz"
+    corrupt.write_bytes(b"not a zip file")
+    foreign = tmp_path / "foreign.npz"
+    np.savez(foreign, a=np.zeros(3))
+    return {
+        "missing": str(tmp_path / "nope.ckpt.npz"),
+        "directory": str(ckpt.parent),
+        "corrupt": str(corrupt),
+        "foreign": str(foreign),
+    }
+
+
+@pytest.mark.parametrize("which", ["missing", "directory", "corrupt", "foreign"])
+def test_eval_rejects_bad_checkpoints(tmp_path, tiny_checkpoint, capsys, which):
+    path = _bad_checkpoints(tmp_path, tiny_checkpoint)[which]
+    assert _cli.main(["eval", "--checkpoint", path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("dyndepth eval: error: argument --checkpoint:") and path in err
+    if which == "directory":  # points at the checkpoint inside
+        assert "alpha=1.ckpt.npz" in err
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["eval", "--checkpoint", "X", "--iters", "-3"], "--iters"),
+        (["eval", "--checkpoint", "X", "--iters", "0"], "--iters"),
+        (["eval", "--checkpoint", "X", "--lengths", "16,,32"], "--lengths"),
+        (["demo", "--batch", "0"], "--batch"),
+        (["demo", "--width", "0"], "--width"),
+        (["demo", "--max-iters", "0"], "--max-iters"),
+        (["demo", "--eval-lengths", ""], "--eval-lengths"),
+        (["demo", "--eval-lengths", "32,x"], "--eval-lengths"),
+        (["demo", "--steps", "-5"], "--steps"),
+        (["demo", "--quick", "--steps", "0"], "--steps"),
+        (["demo", "--lr", "nan"], "--lr"),
+        (["demo", "--lr", "-1e-3"], "--lr"),
+        (["demo", "--train-length", "0"], "--train-length"),
+        (["demo", "--devices", "0"], "--devices"),
+        (["bench", "--repeats", "0"], "--repeats"),
+        (["bench", "--max-temp-gib", "inf"], "--max-temp-gib"),
+    ],
+)
+def test_bad_values_are_one_line_errors_naming_the_flag(tmp_path, capsys, argv, flag):
+    argv = [a if a != "X" else str(tmp_path / "x.ckpt.npz") for a in argv]
+    assert _cli.main(argv + ["--out", str(tmp_path)] if argv[0] == "demo" else argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"argument {flag}:" in err, err
+    assert not (tmp_path / "alpha=1.ckpt.npz").exists()  # nothing trained
+
+
+def test_quick_keeps_flags_given_explicitly():
+    p = _cli._parser()
+    cfg = demo.config_from_args(p.parse_args(["demo", "--quick", "--width", "12", "--steps", "7"]))
+    assert (cfg.width, cfg.steps) == (12, 7)
+    assert (cfg.max_iters, cfg.train_length) == (
+        QUICK["max_iters"],
+        QUICK["train_length"],
+    )
+    cfg = demo.config_from_args(p.parse_args(["demo", "--quick", "--eval-lengths", "8,40"]))
+    assert cfg.eval_lengths == (8, 40) and cfg.width == QUICK["width"]
+
+
+def test_resume_with_another_config_is_an_error(tiny_checkpoint, capsys):
+    out = tiny_checkpoint.parent
+    before = tiny_checkpoint.read_bytes()
+    argv = ["demo", "--quick", "--steps", "2", "--no-control", "--out", str(out)]
+    assert _cli.main(argv + ["--width", "12", "--lr", "0.01"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "width 8 (checkpoint) vs 12 (now)" in err and "lr 0.003 (checkpoint) vs 0.01" in err
+    assert "--out" in err and "steps" not in err.split("configuration:")[1]
+    assert tiny_checkpoint.read_bytes() == before  # nothing trained, nothing overwritten
+
+
+def test_eval_table_marks_iterations_not_evaluated(tiny_checkpoint, capsys):
+    M = QUICK["max_iters"]
+    argv = ["eval", "--checkpoint", str(tiny_checkpoint), "--lengths", "8", "--iters", str(M - 1)]
+    assert _cli.main(argv + ["--strings", "8"]) == 0
+    text = capsys.readouterr().out
+    header = next(ln for ln in text.splitlines() if ln.startswith("| run"))
+    row = next(ln for ln in text.splitlines() if ln.startswith("| eval | 8 |"))
+    cells = dict(zip(header.split("|")[1:-1], row.split("|")[1:-1], strict=True))
+    cells = {k.strip(): v.strip() for k, v in cells.items()}
+    assert cells[f"at M = {M}"] == "n/a"  # iteration M was not evaluated
+    assert cells["at the last iteration"].endswith(f"({M - 1})")
+    assert cells["strings"] == "8"
+    assert "8M" not in text and "0.0% |" not in cells[f"at M = {M}"]
+
+
+def _demo_process(out, *extra):
+    return subprocess.Popen(
+        [sys.executable, "-m", "dyndepth", "demo", "--quick", "--no-control", "--out", str(out)]
+        + list(extra),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONFAULTHANDLER="1"),
+    )
+
+
+def _read_until(stream, pattern, proc, timeout=120):
+    """Read ``stream`` (text, in a thread) until ``pattern`` matches; returns the match."""
+    buf, found = [], threading.Event()
+
+    def reader():
+        while not found.is_set():
+            ch = stream.read(1)
+            if not ch:
+                return
+            buf.append(ch)
+            if re.search(pattern, "".join(buf[-200:])):
+                found.set()
+
+    threading.Thread(target=reader, daemon=True).start()
+    assert found.wait(timeout), (proc.poll(), "".join(buf)[-2000:])
+    return re.search(pattern, "".join(buf[-200:]))
+
+
+def test_ctrl_c_while_compiling_exits_cleanly_with_a_checkpoint(tmp_path):
+    """Ctrl-C as soon as the demo has started (it is compiling): exit status 130, one line that
+    says what was kept, no crash (a KeyboardInterrupt inside XLA's compiler made the interpreter
+    segfault on exit in about half the trials)."""
+    out = tmp_path / "run"
+    proc = _demo_process(out)
+    line = proc.stdout.readline()  # printed (and flushed) before the first compilation
+    assert line.startswith("dyndepth demo:"), line
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("dyndepth demo: interrupted at step "), err[-3000:]
+    assert "Fatal Python error" not in err and "Traceback" not in err
+    step = int(last.split("interrupted at step ")[1].split()[0])
+    assert train.load_checkpoint(str(out / "alpha=1.ckpt.npz"))[2] == step
+
+
+def test_ctrl_c_while_training_saves_the_steps_done(tmp_path):
+    """Ctrl-C in the middle of training (the first periodic save would come at step 400): the
+    checkpoint holds every step done, and the message says so."""
+    out = tmp_path / "run"
+    steps = 4000
+    proc = _demo_process(out, "--steps", str(steps))
+    _read_until(proc.stderr, rf"\b([3-9]|[1-9][0-9]+)/{steps}\b", proc)  # a few steps done
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert "checkpoint saved to" in last and "run the same command to resume" in last, last
+    step = int(last.split("interrupted at step ")[1].split()[0])
+    assert 3 <= step < steps // 10
+    assert train.load_checkpoint(str(out / "alpha=1.ckpt.npz"))[2] == step

@@ -1,5 +1,5 @@
 import sys
 
-from dyndepth._cli import main
+from dyndepth._app.cli import main
 
 sys.exit(main())

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .args import Interrupted, Parser, SigintGuard, int_at_least
+
 
 def _demo(args: argparse.Namespace) -> int:
     if args.task == "seed":
@@ -19,13 +21,13 @@ def _demo(args: argparse.Namespace) -> int:
             )
             return 2
         return _seed_demo(args)
-    from dyndepth import _demo as demo
+    from dyndepth._app import demo
 
     return demo.main_demo(args)
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from dyndepth import _demo as demo
+    from dyndepth._app import demo
 
     return demo.main_eval(args)
 
@@ -35,7 +37,7 @@ def _seed_demo(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     import dyndepth
-    from dyndepth import _bench
+    from dyndepth._app import bench as _bench
 
     print("== the seed's program with dyndepth.repeat (B=32, D=64, depths in [1, 100]) ==")
     max_iters, batch, dim = 100, 32, 64
@@ -62,34 +64,48 @@ def _seed_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "bench":  # the benchmark has its own parser and --help
-        from dyndepth import _bench
+def _parser() -> argparse.ArgumentParser:
+    from dyndepth._app import demo as demo_mod
 
-        _bench.main(argv[1:])
-        return 0
-    parser = argparse.ArgumentParser(prog="dyndepth", description="dyndepth demo and benchmarks")
+    parser = Parser(prog="dyndepth", description="dyndepth demo and benchmarks")
     sub = parser.add_subparsers(dest="command", required=True)
-    from dyndepth import _demo as demo_mod
-
     demo = sub.add_parser(
         "demo",
         help="train a recurrent-depth network on prefix sums (--task seed: the seed's program "
         "and a side-by-side on its workload)",
     )
     demo_mod.add_arguments(demo)
-    demo.add_argument("--repeats", type=int, default=5, help="(--task seed) timing repeats")
+    demo.add_argument(
+        "--repeats", type=int_at_least(1), default=5, help="(--task seed) timing repeats"
+    )
     demo.set_defaults(run=_demo)
     ev = sub.add_parser("eval", help="evaluate a saved demo checkpoint")
-    ev.add_argument("--checkpoint", required=True)
-    ev.add_argument("--lengths", default="16,32,64")
-    ev.add_argument("--iters", type=int, default=128)
-    ev.add_argument("--json", default=None)
+    demo_mod.add_eval_arguments(ev)
     ev.set_defaults(run=_eval)
     sub.add_parser("bench", help="side-by-side benchmarks (dyndepth bench --help)", add_help=False)
-    args = parser.parse_args(argv)
-    return args.run(args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a command; returns the exit status: 0, 2 for a usage error (one line on stderr), 130
+    after Ctrl-C (one line on stderr saying what was kept)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    prog = "dyndepth " + (argv[0] if argv and argv[0] in ("demo", "eval", "bench") else "")
+    with SigintGuard(prog.strip()):
+        try:
+            if argv and argv[0] == "bench":  # the benchmark has its own parser and --help
+                from dyndepth._app import bench
+
+                bench.main(argv[1:])
+                return 0
+            args = _parser().parse_args(argv)
+            return args.run(args)
+        except SystemExit as e:  # argparse: --help (0) or a usage error (2)
+            return e.code if isinstance(e.code, int) else 2
+        except Interrupted as e:
+            sys.stdout.flush()
+            print(f"{prog.strip()}: {e}", file=sys.stderr, flush=True)
+            return 130
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ from jax import lax
 
 import dyndepth
 
+from .args import Parser, check_interrupt, int_at_least, positive_float
+
 __all__ = ["WORKLOADS", "main", "plot", "run_workload", "seed_method"]
 
 
@@ -350,6 +352,7 @@ def run_workload(w: Workload, repeats: int, contenders=None, progress=print, max
     rows = []
     ref_f = ref_g = None
     for c in contenders if contenders is not None else contenders_for(w):
+        check_interrupt(f"interrupted during the {w.name} workload; nothing was written")
         if c.name.startswith("equinox") and not equinox_available():
             rows.append(dict(workload=w.name, contender=c.name, missing="not installed"))
             continue
@@ -415,6 +418,7 @@ def shared_depth_rows(repeats, quick, progress=print):
         if c.name.startswith("equinox") and not equinox_available():
             continue
         for depth in sweep:
+            check_interrupt("interrupted during the shared-depth sweep; nothing was written")
 
             def fwd(W, xs, d, ks, c=c):
                 if c.batched:  # the same depth for every sample
@@ -646,7 +650,7 @@ def main(argv=None):
     names = list(WORKLOADS) + ["shared-depth"]
     listing = [f"  {n:<13} {w.about}" for n, w in WORKLOADS.items()]
     listing.append(f"  {'shared-depth':<13} one depth for the whole batch, swept over 10..100")
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="dyndepth bench",
         description=__doc__.splitlines()[0],
         epilog="workloads:\n" + "\n".join(listing),
@@ -654,7 +658,7 @@ def main(argv=None):
     )
     p.add_argument("workloads", nargs="*", help="workloads to run (default: all, listed below)")
     p.add_argument("--quick", action="store_true", help="tiny shapes, for tests")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int_at_least(1), default=5, help="timing repeats (>= 1)")
     p.add_argument("--json", metavar="FILE", help="also write all rows as JSON")
     p.add_argument(
         "--plot",
@@ -665,7 +669,7 @@ def main(argv=None):
     )
     p.add_argument(
         "--max-temp-gib",
-        type=float,
+        type=positive_float,
         default=16.0,
         metavar="GIB",
         help="do not run a compiled function whose XLA temp memory exceeds this; its row says "

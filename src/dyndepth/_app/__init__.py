@@ -1,0 +1,1 @@
+"""The dyndepth application: demo, benchmarks and command line; the library never imports it."""

@@ -256,9 +256,9 @@ WORKLOADS = {
             "W is shared by the batch. Under vmap the seed's `lax.cond` becomes a select over "
             "the batch and W is broadcast to every sample (B x 4 MiB, in the forward pass too), "
             "and the gradient keeps such a copy for every step; `jax.checkpoint` drops the "
-            "stored copies but still computes with them. The vmapped dyndepth loops keep one W "
-            "gradient per sample (B x 4 MiB; `dyndepth auto` two), Equinox's loop needs as "
-            "much; `repeat_batched` sums the W gradient inside its backward loop.",
+            "stored copies but still computes with them. Equinox's loop keeps a W gradient per "
+            "sample (B x 4 MiB); the dyndepth loops under `grad` of `vmap` (and "
+            "`repeat_batched`) sum the W gradient inside their backward loop.",
             "Sizes are kept small (B=32, max_depth=16) so that the seed's method still runs: "
             "at B=64, max_depth=32 its value_and_grad took 34-56 s per call on the 2-core "
             "development machine and needed 10.5 GiB of XLA temp memory.",

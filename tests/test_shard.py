@@ -274,8 +274,9 @@ REPLICATED_GRAD_SCRIPT = textwrap.dedent(
     from jax.sharding import PartitionSpec as P
     import dyndepth
 
-    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-    x = jnp.linspace(-1.0, 1.0, 8)
+    import numpy as np
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))  # Auto axes
+    x = jnp.linspace(0.1, 1.0, 8)
     w = jnp.array(0.7)
 
     def looped(kind):

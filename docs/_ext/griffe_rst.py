@@ -20,23 +20,14 @@ from typing import Any
 
 import griffe
 
+import dyndepth
+
 _ROLE = re.compile(r":(?:func|class|meth|mod|data|attr|obj):`~?([\w.]+)`")
 _BORDER = re.compile(r"^(\s*)(=+)((?:\s+=+)+)\s*$")
 
 # The public names and where they are documented; the docs render each under its public path.
-_TOP = ("repeat", "scan", "while_loop", "repeat_batched", "step_key")
-_NN = (
-    "HaltingResult",
-    "drop_path",
-    "halting",
-    "layer_drop",
-    "ponder_loss",
-    "recurrent_depth",
-    "sample_depth",
-    "sample_nk",
-    "stochastic_residual",
-    "survival_schedule",
-)
+_TOP = tuple(dyndepth.__all__)
+_NN = tuple(dyndepth.nn.__all__)
 
 
 def public_path(name: str) -> str | None:

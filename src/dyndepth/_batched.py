@@ -71,13 +71,7 @@ def forward(loop: Loop, consts, c_axes, cconsts, cc_axes, init, xs, n, kd, *, st
         iters=jnp.zeros((), jnp.int32),
     )
     if store:
-        K = loop.slots_stored
-        # Slot 0 always holds init, so that the backward pass never evaluates the step at an
-        # uninitialised state, even for rows that take no step.
-        state["buf"] = [_vma.zeros((B, K), a).at[:, 0].set(c)
-                        for a, c in zip(loop.carry_avals, init, strict=True)]  # fmt: skip
-        state["count"] = jnp.zeros((B,), jnp.int32)
-        state["stride"] = jnp.ones((B,), jnp.int32)
+        state.update(store_state(loop, init, B))
 
     # Rows stop for good, so every active row is at step ``iters``: one shared index reads xs
     # and writes ys and the stored carries (a slice, not a gather or scatter per row).
@@ -97,6 +91,16 @@ def forward(loop: Loop, consts, c_axes, cconsts, cc_axes, init, xs, n, kd, *, st
     out = _vma.while_loop(lambda s: jnp.any(s["act"]), body, state)
     res = (out["buf"], out["stride"]) if store else None
     return out["carry"], out["ys"], out["i"], res, stats_of(out["iters"], B)
+
+
+def store_state(loop: Loop, init, B: int) -> dict:
+    """The forward pass's stored carries (``buf``, a row's ``count`` and checkpoint ``stride``)
+    before the first step."""
+    # Slot 0 always holds init, so that the backward pass never evaluates the step at an
+    # uninitialised state, even for rows that take no step.
+    buf = [_vma.zeros((B, loop.slots_stored), a).at[:, 0].set(c)
+           for a, c in zip(loop.carry_avals, init, strict=True)]  # fmt: skip
+    return dict(buf=buf, count=jnp.zeros((B,), jnp.int32), stride=jnp.ones((B,), jnp.int32))
 
 
 def _store(loop: Loop, s, i, act, carry):

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _batched, _vma
-from ._batched import const_accumulators, rows_vjp, stats_of
+from ._batched import const_accumulators, rows_vjp, stats_of, store_state
 from ._leaves import where_rows
 from ._step import Loop, Perturbed
 
@@ -164,11 +164,7 @@ def forward_wrapped(loop: Loop, consts, c_axes, cconsts, cc_axes, init, xs, n, k
         ys=[_vma.zeros((B, T), a) for a in loop.y_avals],
     )
     if store:
-        K = loop.slots_stored
-        state["buf"] = [_vma.zeros((B, K), a).at[:, 0].set(c)
-                        for a, c in zip(loop.carry_avals, init, strict=True)]  # fmt: skip
-        state["count"] = jnp.zeros((B,), jnp.int32)
-        state["stride"] = jnp.ones((B,), jnp.int32)
+        state.update(store_state(loop, init, B))
 
     def body(s):
         s = dict(s)

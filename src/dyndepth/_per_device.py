@@ -34,6 +34,11 @@ from jax.sharding import PartitionSpec as P
 
 from . import _vma
 
+try:  # JAX's private dispatch module: see needs_devices_when_lowered
+    from jax._src import dispatch as _jax_dispatch
+except ImportError:  # pragma: no cover - depends on JAX's internals
+    _jax_dispatch = None
+
 # Set while a kernel is traced for a lowering over several devices (see partitioning).
 _PARTITIONING = contextvars.ContextVar("dyndepth_partitioning", default=False)
 _LOWERING_DEPTH = contextvars.ContextVar("dyndepth_lowering_depth", default=0)
@@ -71,11 +76,7 @@ def needs_devices_when_lowered(*prims: Any) -> None:
     """Have ``jit`` lower programs containing ``prims`` with their device assignment, as it
     does for ``custom_partitioning`` (JAX's own registry, private: without it, or on a JAX
     without it, loops on ``Auto`` meshes run unpartitioned, right but gathered)."""
-    try:
-        from jax._src import dispatch
-    except ImportError:  # pragma: no cover - depends on JAX's internals
-        return
-    registry = getattr(dispatch, "prim_requires_devices_during_lowering", None)
+    registry = getattr(_jax_dispatch, "prim_requires_devices_during_lowering", None)
     if registry is not None:
         registry.update(prims)
 

@@ -13,6 +13,7 @@ checkpointing and the composition.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -324,16 +325,40 @@ def check(case, cfg, transform):
     tree_allclose(got, want, **TOL, err_msg=f"{case} {cfg_id(cfg)} {transform.__name__}")
 
 
-@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c[0] != "while"], ids=cfg_id)
-@pytest.mark.parametrize("name", list(REVERSE))
-@pytest.mark.parametrize("case", list(CASES))
+def matrix(transforms, configs):
+    """``(case, transform, config)`` triples. ``DYNDEPTH_FULL_MATRIX=1`` (``make test-full``):
+    all of them. Otherwise a covering subset that keeps ``make test`` short: every case under
+    every transform with the default ``("auto", None)``, plus one other configuration per pair,
+    rotating, so that every case also meets every configuration (two to three times each)."""
+    if os.environ.get("DYNDEPTH_FULL_MATRIX") == "1":
+        return [(c, t, k) for c in CASES for t in transforms for k in configs]
+    others = [k for k in configs if k != ("auto", None)]
+    out = []
+    for i, c in enumerate(CASES):
+        for j, t in enumerate(transforms):
+            out += [(c, t, ("auto", None)), (c, t, others[(i + j) % len(others)])]
+    return out
+
+
+def ids(triple):
+    case, name, cfg = triple
+    return f"{case}-{name}-{cfg_id(cfg)}"
+
+
+@pytest.mark.parametrize(
+    ("case", "name", "cfg"),
+    matrix(list(REVERSE), [c for c in CONFIGS if c[0] != "while"]),
+    ids=[ids(t) for t in matrix(list(REVERSE), [c for c in CONFIGS if c[0] != "while"])],
+)
 def test_reverse_mode_matrix(case, name, cfg):
     check(case, cfg, REVERSE[name])
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=cfg_id)
-@pytest.mark.parametrize("name", list(FORWARD))
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    ("case", "name", "cfg"),
+    matrix(list(FORWARD), CONFIGS),
+    ids=[ids(t) for t in matrix(list(FORWARD), CONFIGS)],
+)
 def test_forward_matrix(case, name, cfg):
     check(case, cfg, FORWARD[name])
 

@@ -27,7 +27,7 @@ test: lint
 	$(PY) -m pytest $(PYTEST_ARGS) tests
 
 # The whole transform matrix (every loop x composition x strategy x checkpoints: 376 cases
-# instead of the covering 151 that `make test` runs), about 15 minutes more on two cores.
+# instead of the covering 70 that `make test` runs), about 20 minutes more on two cores.
 test-full: lint
 	DYNDEPTH_FULL_MATRIX=1 $(PY) -m pytest $(PYTEST_ARGS) tests
 

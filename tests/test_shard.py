@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent(
     from jax.sharding import NamedSharding, PartitionSpec as P
     import dyndepth
 
-    B, D, M = 1024, 8, 20
+    B, D, M = 256, 8, 20
     W = jax.random.normal(jax.random.key(0), (D, D)) / 3
     x = jax.random.normal(jax.random.key(1), (B, D))
     depths = jax.random.randint(jax.random.key(2), (B,), 0, M + 1)
@@ -87,9 +87,9 @@ def test_shard_map_per_device_scheduling():
         assert rec["all_gather"] == 0, (name, rec)
         if "executed" in rec:
             assert len(rec["executed"]) == int(name.split("-")[1])
-            # 128 samples per device or more (with a few dozen the slot counts to choose from
-            # are coarse, and the waste can reach 1.15-1.3x; see the README)
-            assert rec["per_device"] >= 128
+            # 32 samples per device or more: the slot-count rule keeps each device's work
+            # within 1/16 of its sum of depths, whatever its share of the batch.
+            assert rec["per_device"] >= 32
             for ex, us in zip(rec["executed"], rec["useful"], strict=True):
                 assert us <= ex <= 1.15 * us, (name, rec)
 

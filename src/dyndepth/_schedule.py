@@ -146,6 +146,17 @@ class Wrap:
         return step, starts, ends, live
 
 
+def _hand_over(wrap: Wrap, s: dict, slot_key: str, new: list, live, ends) -> dict:
+    """The end of one wrap-around iteration, forward or backward: each slot keeps its new
+    values under ``slot_key``; a slot whose piece ends writes them out to its sample's row of
+    ``cur`` and moves on to the next sample with steps."""
+    b, t = s["b"], s["t"]
+    out = _drop_idx(live & ends, b, wrap.length.shape[0])
+    cur = [o.at[out].set(c, mode="drop") for o, c in zip(s["cur"], new, strict=True)]
+    nxt = jnp.where(live & ends & (t < wrap.C - 1), _rows(wrap.after, b), b)
+    return {"cur": cur, slot_key: list(new), "b": nxt, "t": t + 1}
+
+
 def forward_wrapped(loop: Loop, consts, c_axes, cconsts, cc_axes, init, xs, n, kd, *, store,
                     slots):  # fmt: skip
     """:func:`dyndepth._batched.forward` on the wrap-around schedule (same outputs; no stop
@@ -177,11 +188,7 @@ def forward_wrapped(loop: Loop, consts, c_axes, cconsts, cc_axes, init, xs, n, k
         new_c, y = vstep(_per_slot(consts, c_axes, b), carry, [_cells(a, b, i) for a in xs], key)
         drop = _drop_idx(live, b, B)
         s["ys"] = [a.at[drop, i].set(v, mode="drop") for a, v in zip(s["ys"], y, strict=True)]
-        out = _drop_idx(live & ends, b, B)
-        s["cur"] = [o.at[out].set(c, mode="drop") for o, c in zip(s["cur"], new_c, strict=True)]
-        s["c"] = list(new_c)
-        s["b"] = jnp.where(live & ends & (t < wrap.C - 1), _rows(wrap.after, b), b)
-        s["t"] = t + 1
+        s.update(_hand_over(wrap, s, "c", new_c, live, ends))
         return s
 
     out = _vma.while_loop(lambda s: s["t"] < wrap.C, body, state)
@@ -225,11 +232,7 @@ def backward_wrapped(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, s
                     for a, g, ax in zip(s["acc"], g_k, d_axes, strict=True)]  # fmt: skip
         s["ct_xs"] = [a.at[drop, j].set(g, mode="drop")
                       for a, g in zip(s["ct_xs"], g_x, strict=True)]  # fmt: skip
-        out = _drop_idx(live & ends, b, B)
-        s["cur"] = [o.at[out].set(c, mode="drop") for o, c in zip(s["cur"], g_c, strict=True)]
-        s["ct"] = list(g_c)
-        s["b"] = jnp.where(live & ends & (t < wrap.C - 1), _rows(wrap.after, b), b)
-        s["t"] = t + 1
+        s.update(_hand_over(wrap, s, "ct", g_c, live, ends))
         return s
 
     out = _vma.while_loop(lambda s: s["t"] < wrap.C, body, state)

@@ -26,10 +26,11 @@ PYTEST_ARGS ?= -n 2
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS) tests
 
-# The whole transform matrix (every loop x composition x strategy x checkpoints: 376 cases
-# instead of the covering 70 that `make test` runs), about 20 minutes more on two cores.
+# Everything: the whole transform matrix (every loop x composition x strategy x checkpoints:
+# 376 cases instead of the covering subset that `make test` runs) and the tests marked `slow`
+# (tests/conftest.py), about 25 minutes more on two cores.
 test-full: lint
-	DYNDEPTH_FULL_MATRIX=1 $(PY) -m pytest $(PYTEST_ARGS) tests
+	DYNDEPTH_FULL=1 $(PY) -m pytest $(PYTEST_ARGS) tests
 
 demo: venv
 	$(PY) -m dyndepth demo

@@ -26,3 +26,22 @@ def _strict_float32_session():
     yield
     assert jax.config.jax_numpy_dtype_promotion == "strict"
     assert not jax.config.jax_enable_x64
+
+
+# ``make test`` skips the tests marked ``slow`` (a second, larger run of what faster tests
+# already check: end-to-end training runs, larger workloads, more property examples) to stay
+# within about ten minutes on two cores; ``make test-full`` (``DYNDEPTH_FULL=1``) runs them.
+FULL = os.environ.get("DYNDEPTH_FULL") == "1"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: runs in `make test-full` only (DYNDEPTH_FULL=1)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if FULL:
+        return
+    skip = pytest.mark.skip(reason="slow: runs in `make test-full` (DYNDEPTH_FULL=1)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -16,6 +16,7 @@ def _check_rows(rows, tol_f=1e-5, tol_g=1e-4):
         assert r["executed"] >= r["useful"] > 0
 
 
+@pytest.mark.slow
 def test_big_params_workload_quick_rows_agree():
     w = _bench.WORKLOADS["big-params"]
     assert (w.dim, w.layer) == (1024, "tanh-dropout") and w.notes

@@ -142,6 +142,7 @@ def test_demo_quick_end_to_end(tmp_path, capsys):
     assert ev["adaptive"]["max_length"] == 24 and max(ev["adaptive"]["steps"]) <= 24
 
 
+@pytest.mark.slow
 def test_resume_continues_the_same_run(tmp_path):
     cfg = replace(TINY, train_length=6, max_iters=3, batch=8, steps=6)
     quiet = lambda *a, **k: None  # noqa: E731
@@ -296,6 +297,7 @@ def test_data_parallel_step_matches_one_device_per_batch(data_parallel_steps):
     _check_data_parallel(data_parallel_steps, "False")
 
 
+@pytest.mark.slow
 def test_demo_quick_on_eight_devices(tmp_path):
     out = tmp_path / "run8"
     proc = subprocess.run(

@@ -52,6 +52,7 @@ def assert_trained(res: dict) -> None:
 # ----------------------------------------------------------------------------- examples
 
 
+@pytest.mark.slow
 def test_equinox_example_trains(eqx_example, capsys):
     argv = ["--steps", "30", "--batch", "8", "--width", "8", "--length", "6", "--max-iters", "6"]
     res = eqx_example["main"](argv)
@@ -62,7 +63,9 @@ def test_equinox_example_trains(eqx_example, capsys):
         assert len(acc) == 12 and all(0.0 <= a <= 1.0 for a in acc)
 
 
-@pytest.mark.parametrize("method", ["layer_drop", "stochastic_residual"])
+@pytest.mark.parametrize(
+    "method", ["layer_drop", pytest.param("stochastic_residual", marks=pytest.mark.slow)]
+)
 def test_flax_nnx_example_trains(nnx_example, method, capsys):
     argv = ["--steps", "30", "--depth", "4", "--dim", "8", "--hidden", "16", "--batch", "32"]
     res = nnx_example["main"]([*argv, "--method", method])

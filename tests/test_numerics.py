@@ -328,7 +328,7 @@ def lp_body(W):
     return f
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.slow)])
 def test_low_precision_carries(dtype):
     tol = LP_TOL[dtype]
     X = jnp.asarray(np.random.default_rng(2).normal(size=(4, 3)), dtype)
@@ -513,6 +513,7 @@ def det_program(X, W, depths, keys):
     return out
 
 
+@pytest.mark.slow
 def test_bitwise_determinism_across_calls_and_fresh_jit():
     keys = jax.random.split(jax.random.key(8), 5)
     fn = jax.jit(det_program)

@@ -15,6 +15,7 @@ by a trace counter). Examples are few and shapes tiny.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,8 @@ from jax.test_util import check_grads
 import dyndepth as dd
 
 STRATEGIES = ["masked", "while", "checkpointed", "auto"]
+# Fewer draws per property in `make test` (every draw compiles); `make test-full` draws more.
+DRAWS = 2 if os.environ.get("DYNDEPTH_FULL") == "1" else 1
 GRAD_STRATEGIES = ["masked", "checkpointed", "auto"]
 VTOL = dict(rtol=1e-4, atol=1e-5)
 GTOL = dict(rtol=1e-4, atol=1e-4)
@@ -209,7 +212,7 @@ def repeat_all(cfg: Config, traces: list):
     return run
 
 
-@settings(max_examples=12, **SETTINGS)
+@settings(max_examples=6 * DRAWS, **SETTINGS)
 @given(data=st.data())
 def test_repeat_values_match_reference(data):
     cfg = data.draw(configs())
@@ -289,7 +292,7 @@ def scan_while_all(cfg: Config, traces: list):
     return run
 
 
-@settings(max_examples=8, **SETTINGS)
+@settings(max_examples=4 * DRAWS, **SETTINGS)
 @given(data=st.data())
 def test_scan_and_while_loop_values_match_reference(data):
     cfg = data.draw(configs())
@@ -397,7 +400,7 @@ def grads_all(cfg: Config, traces: list):
     return run
 
 
-@settings(max_examples=10, **SETTINGS)
+@settings(max_examples=5 * DRAWS, **SETTINGS)
 @given(data=st.data())
 def test_gradients_agree_with_masked(data):
     cfg = data.draw(configs(min_depth=1))
@@ -432,7 +435,7 @@ def mat_body(W):
     return f
 
 
-@settings(max_examples=6, **SETTINGS)
+@settings(max_examples=3 * DRAWS, **SETTINGS)
 @given(
     batch=st.integers(1, 3),
     checkpoints=st.sampled_from([None, 1, 2]),

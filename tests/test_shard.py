@@ -310,3 +310,180 @@ def test_replicated_parameter_gradient_inside_shard_map_is_summed_once():
     assert abs(r["repeat"] - r["fori"]) < 1e-5 * abs(r["fori"]), r
     want = r["recurrent_one_device"]
     assert want != 0.0 and abs(r["recurrent_depth"] - want) < 1e-5 * abs(want), r
+
+
+TWO_D_SCRIPT = textwrap.dedent(
+    """
+    import json, re
+    import numpy as np
+    import jax, jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import dyndepth
+    import dyndepth.nn as dnn
+
+    B, D, M = 32, 8, 10
+    W = jax.random.normal(jax.random.key(0), (D, D)) / 3
+    W2 = jax.random.normal(jax.random.key(5), (D, D)) / 3
+    x = jax.random.normal(jax.random.key(1), (B, D))
+    depths = jax.random.randint(jax.random.key(2), (B,), 0, M + 1)
+    keys = jax.random.split(jax.random.key(3), B)
+    mesh = jax.make_mesh((4, 2), ("data", "model"))  # Explicit axes; shard_map over both
+    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+
+    def layer(W):
+        return lambda c, k: c + jnp.tanh(c @ W) * jax.random.bernoulli(k, 0.9, c.shape)
+
+    def per_sample(loop):
+        return lambda W, x, d, k: jax.vmap(lambda xi, di, ki: loop(W, xi, di, ki))(x, d, k)
+
+    ddp = {  # one device's program, run per shard; W replicated
+        "batched": lambda W, x, d, k: dyndepth.repeat_batched(layer(W), x, d, max_depth=M,
+                                                              keys=k),
+        "vmapped": per_sample(lambda W, x, d, k: dyndepth.repeat(layer(W), x, d,
+                                                                 max_depth=M, key=k)),
+        "checkpointed": per_sample(lambda W, x, d, k: dyndepth.repeat(
+            layer(W), x, d, max_depth=M, key=k, checkpoints=3)),
+        "masked": per_sample(lambda W, x, d, k: dyndepth.repeat(
+            layer(W), x, d, max_depth=M, key=k, strategy="masked")),
+        "scan": per_sample(lambda W, x, d, k: dyndepth.scan(
+            lambda c, t, kk: (layer(W)(c, kk), jnp.concatenate([c, W[0]]) * t), x,
+            jnp.linspace(0.0, 1.0, M), depth=d, key=k)[1]),
+        "while": per_sample(lambda W, x, d, k: dyndepth.while_loop(
+            lambda c: jnp.sum(c ** 2) > 0.5, lambda c: 0.9 * jnp.tanh(c @ W), x, max_steps=M)),
+        "recurrent_depth": per_sample(lambda W, x, d, k: dnn.recurrent_depth(
+            lambda s, xi, kk: jnp.tanh(s @ W + xi) * jax.random.bernoulli(kk, 0.9, s.shape),
+            jnp.zeros_like(x), x, n=d // 2, k=d - d // 2, max_n=M, max_k=M, key=k)),
+        "layer_drop": per_sample(lambda W, x, d, k: dnn.layer_drop(
+            lambda p, h: h + jnp.tanh(h @ p), jnp.stack([W, W.T, -W]), x, k, 0.5)),
+    }
+
+    def megatron(W, W2):  # W's columns and W2's rows split over `model` inside shard_map
+        return lambda c: c + jax.lax.psum(jnp.tanh(c @ W) @ W2, "model") / 2
+
+    def megatron_one(W, W2):
+        return lambda c: c + jnp.tanh(c @ W) @ W2 / 2
+
+    tp = {  # (sharded program, one-device program)
+        "tp_batched": tuple(
+            (lambda m: lambda W, W2, x, d: dyndepth.repeat_batched(m(W, W2), x, d,
+                                                                   max_depth=M))(m)
+            for m in (megatron, megatron_one)),
+        "tp_vmapped": tuple(
+            (lambda m: lambda W, W2, x, d: jax.vmap(lambda xi, di: dyndepth.repeat(
+                m(W, W2), xi, di, max_depth=M, checkpoints=4))(x, d))(m)
+            for m in (megatron, megatron_one)),
+    }
+
+    def loops_collectives(hlo):
+        # the replica groups of every collective in a computation used as a while body or
+        # condition
+        loops = set(re.findall(r"(?:body|condition)=%?([\\w.\\-]+)", hlo))
+        found = []
+        for comp in hlo.split("\\n\\n"):
+            head = comp.strip().split("\\n", 1)[0]
+            name = head.split()[0].lstrip("%") if head else ""
+            if name in loops:
+                for line in comp.splitlines():
+                    if re.search(r"all-reduce|all-gather|collective-permute|all-to-all", line):
+                        m = re.search(r"replica_groups=(\\{[^ ]*\\}|\\[[^ ,]*\\]<=\\[\\d+\\])",
+                                      line)
+                        found.append(m.group(1) if m else line.strip()[:80])
+        return found
+
+    def rel(a, b):
+        return float(jnp.max(abs(a - b)) / jnp.max(abs(b)))
+
+    results = {}
+    for name, run in ddp.items():
+        loss = lambda W, x, d, k, run=run: jnp.sum(run(W, x, d, k) ** 2)
+        want = (run(W, x, depths, keys), jax.grad(loss, argnums=(0, 1))(W, x, depths, keys))
+        sm = jax.shard_map(run, mesh=mesh, in_specs=(P(), P("data"), P("data"), P("data")),
+                           out_specs=P("data"))
+        sloss = lambda W, x, d, k: jnp.sum(sm(W, x, d, k) ** 2)
+        args = (put(W, P()), put(x, P("data")), put(depths, P("data")), put(keys, P("data")))
+        g = jax.jit(jax.grad(sloss, argnums=(0, 1))).lower(*args).compile()
+        gw, gx = g(*args)
+        out = jax.jit(sm)(*args)
+        results[name] = dict(
+            err=max(rel(out, want[0]), rel(gw, want[1][0]), rel(gx, want[1][1])),
+            all_gather=g.as_text().count("all-gather"),
+            in_loops=loops_collectives(g.as_text()),
+        )
+    for name, (run, run_one) in tp.items():
+        loss = lambda W, W2, x, d: jnp.sum(run_one(W, W2, x, d) ** 2)
+        want = jax.value_and_grad(loss, argnums=(0, 1, 2))(W, W2, x, depths)
+        sm = jax.shard_map(run, mesh=mesh,
+                           in_specs=(P(None, "model"), P("model", None), P("data"), P("data")),
+                           out_specs=P("data"))
+        sloss = lambda W, W2, x, d: jnp.sum(sm(W, W2, x, d) ** 2)
+        args = (put(W, P(None, "model")), put(W2, P("model", None)), put(x, P("data")),
+                put(depths, P("data")))
+        g = jax.jit(jax.value_and_grad(sloss, argnums=(0, 1, 2))).lower(*args).compile()
+        v, grads = g(*args)
+        results[name] = dict(
+            err=max([rel(v, want[0])] + [rel(a, b) for a, b in zip(grads, want[1])]),
+            all_gather=g.as_text().count("all-gather"),
+            in_loops=loops_collectives(g.as_text()),
+        )
+    # A per-device key closed over by the step (folded with the device's index on `data`):
+    # each shard's result is that of its own rows and its own key.
+    base = jax.random.key(7)
+
+    def own_key(x, d):
+        kd = jax.random.fold_in(base, jax.lax.axis_index("data"))
+        return jax.vmap(lambda xi, di: dnn.recurrent_depth(
+            lambda s, xi: jnp.tanh(s @ W + xi) * jax.random.bernoulli(kd, 0.9, s.shape),
+            jnp.zeros_like(xi), xi, n=di // 2, k=di - di // 2, max_n=M, max_k=M))(x, d)
+
+    sm = jax.shard_map(own_key, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"))
+    got = jax.jit(sm)(put(x, P("data")), put(depths, P("data")))
+    parts = []
+    for i in range(4):
+        kd = jax.random.fold_in(base, i)
+        rows = slice(i * B // 4, (i + 1) * B // 4)
+        parts.append(jax.vmap(lambda xi, di: dnn.recurrent_depth(
+            lambda s, xi: jnp.tanh(s @ W + xi) * jax.random.bernoulli(kd, 0.9, s.shape),
+            jnp.zeros_like(xi), xi, n=di // 2, k=di - di // 2, max_n=M, max_k=M))(
+                x[rows], depths[rows]))
+    results["own_key"] = rel(got, jnp.concatenate(parts))
+    # A collective over `data` in the step, with depths that differ per device: refused.
+    errors = []
+    for loop in (
+        lambda x, d: dyndepth.repeat_batched(
+            lambda c: c - jax.lax.pmean(c, "data"), x, d, max_depth=M),
+        lambda x, d: jax.vmap(lambda xi, di: dyndepth.repeat(
+            lambda c: c - jax.lax.pmean(c, "data"), xi, di, max_depth=M))(x, d),
+    ):
+        sm = jax.shard_map(loop, mesh=mesh, in_specs=(P("data"), P("data")),
+                           out_specs=P("data"))
+        try:
+            jax.jit(sm).lower(put(x, P("data")), put(depths, P("data")))
+            errors.append("none")
+        except ValueError as e:
+            errors.append(str(e))
+    results["guard"] = errors
+    print("RESULT" + json.dumps(results))
+    """
+)
+
+
+def test_shard_map_on_a_two_dimensional_mesh():
+    """``shard_map`` over a 4 x 2 (``data`` x ``model``) mesh: the loop state varies only over
+    the axes its operands make it vary over, so ``out_specs=P("data")`` holds; data-parallel
+    (replicated weights) and tensor-parallel (a step that psums over ``model``) programs equal
+    one device, and no collective over ``data`` runs inside a loop."""
+    results = run_on_eight_devices(TWO_D_SCRIPT)
+    assert results.pop("own_key") < 1e-6
+    for message in results.pop("guard"):
+        assert "collective over mesh axis 'data'" in message, message
+    assert len(results) == 10
+    for name, rec in results.items():
+        assert rec["err"] < 1e-5, (name, rec)
+        assert rec["all_gather"] == 0, (name, rec)
+        if name.startswith("tp_"):
+            # the step's own psum over `model`: groups of the two devices of one data shard
+            assert rec["in_loops"], (name, rec)
+            for groups in rec["in_loops"]:
+                assert groups in ("{{0,1},{2,3},{4,5},{6,7}}", "[4,2]<=[8]"), (name, rec)
+        else:
+            assert rec["in_loops"] == [], (name, rec)

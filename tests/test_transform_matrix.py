@@ -326,12 +326,12 @@ def check(case, cfg, transform):
 
 
 def matrix(transforms, configs):
-    """``(case, transform, config)`` triples. ``DYNDEPTH_FULL_MATRIX=1`` (``make test-full``):
+    """``(case, transform, config)`` triples. ``DYNDEPTH_FULL=1`` (``make test-full``):
     all of them. Otherwise a covering subset that keeps ``make test`` short: every case under
     every transform once, the configuration rotating, so that every case also meets every
     configuration (twice or more under the reverse transforms) and every transform meets
     several."""
-    if os.environ.get("DYNDEPTH_FULL_MATRIX") == "1":
+    if os.environ.get("DYNDEPTH_FULL") == "1":
         return [(c, t, k) for c in CASES for t in transforms for k in configs]
     return [(c, t, configs[(i + j) % len(configs)])
             for i, c in enumerate(CASES) for j, t in enumerate(transforms)]  # fmt: skip

@@ -168,12 +168,13 @@ def rows_vjp(loop: Loop, pert: Perturbed, consts, c_axes, carry, x, key, ct_c, c
 
         return jax.vjp(f, k_d, c_d, x_d)[1]((ct_c, ct_y))
 
-    # Inside shard_map, a vjp with respect to a replicated value would psum its cotangent over
+    # Inside shard_map, a vjp with respect to a replicated const would psum its cotangent over
     # the devices, a collective inside a loop whose trip count differs per device (a deadlock).
-    # Varying inputs keep the per-device cotangents local; the caller sums them once at the end.
+    # Varying consts (and xs) keep the per-device cotangents local; the caller sums them once
+    # at the end. The carry keeps its loop-state type, which varies over the batch's axes.
     args = (
         _vma.vary(take(consts, kp)), take(consts, kp, False),
-        _vma.vary(take(carry, cp)), take(carry, cp, False),
+        take(carry, cp), take(carry, cp, False),
         _vma.vary(take(x, xp)), take(x, xp, False),
         key, ct_c, ct_y,
     )  # fmt: skip

@@ -36,17 +36,42 @@ def _key_parts(key: Any, name: str) -> tuple[KeySchedule | None, Any, Any]:
     return keys, data, example
 
 
-def _names_in(jaxpr: Any) -> set:
-    """Axis names that collectives and ``axis_index`` in ``jaxpr`` refer to."""
+def _names_in(jaxpr: Any, collectives_only: bool = False) -> set:
+    """Axis names that collectives and ``axis_index`` (unless ``collectives_only``) in
+    ``jaxpr`` refer to."""
     names: set = set()
     for eqn in jaxpr.eqns:
+        if collectives_only and eqn.primitive.name in ("axis_index", "pvary", "pcast"):
+            continue
         for param in ("axes", "axis_name"):
             value = eqn.params.get(param)
             values = value if isinstance(value, tuple | list) else (value,)
             names.update(v for v in values if isinstance(v, str))
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            names |= _names_in(sub)
+            names |= _names_in(sub, collectives_only)
     return names
+
+
+def _check_no_collective_over_uneven_trip_counts(loop: Any, fname: str, n: Any, init: Any):
+    """Inside ``shard_map``, a collective in the step over a mesh axis that the trip count
+    varies over (the depth, or the carry a stop predicate reads) would wait forever for the
+    devices that stopped: raise instead."""
+    manual = set(_vma.manual_axes())
+    if not manual:
+        return
+    names = _names_in(loop.step_jaxpr.jaxpr, collectives_only=True)
+    if loop.cond_jaxpr is not None:
+        names |= _names_in(loop.cond_jaxpr.jaxpr, collectives_only=True)
+    uneven = set(_vma.state_axes_of([n] + ([init] if loop.cond_jaxpr is not None else [])))
+    bad = sorted(names & manual & uneven)
+    if bad:
+        raise ValueError(
+            f"`{fname}` uses a collective over mesh axis {bad[0]!r} inside shard_map, but the "
+            f"number of steps varies over {bad[0]!r} (a per-device depth or stop condition): "
+            "the devices that stop early would never join it and the program would hang. "
+            f"Reduce over {bad[0]!r} after the loop, give every device the same depth, or use "
+            "strategy='masked' (every device runs max_depth steps)"
+        )
 
 
 def _uses_vmap_axis(loop: Any) -> bool:
@@ -113,6 +138,7 @@ def _run(kind: StepKind, fn: Callable, cond_fn: Callable | None, init: Any, xs: 
     elif strategy == "masked" or _uses_vmap_axis(loop):
         carry, ys, steps, stats = _masked.run(loop, *operands)
     else:
+        _check_no_collective_over_uneven_trip_counts(loop, kind.fname, n, traced.init)
         # Under jit, arrays placed on a mesh with Explicit axes are typed with it: the loop's
         # own buffers are then created under that mesh too (as under jax.set_mesh).
         with _vma.mesh_context(operands):

@@ -13,6 +13,11 @@ from ._step import Loop
 
 def run(loop: Loop, consts, cconsts, init, xs, n, kd):
     """``(carry, ys, steps, stats)``: every step evaluated, those past the end discarded."""
+    # Inside shard_map, consts varying like the loop's other operands before the loop: a
+    # replicated const's gradient then accumulates per device in the scan's transpose and is
+    # summed over the devices once, after it, instead of by a collective at every step.
+    axes = _vma.state_axes_of([consts, cconsts, init, xs, n, kd])
+    consts, cconsts = _vma.vary(list(consts), axes), _vma.vary(list(cconsts), axes)
     zeros_y = [_vma.zeros((), a) for a in loop.y_avals]
 
     def body(state, i):

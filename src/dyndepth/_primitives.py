@@ -89,10 +89,20 @@ def _kernel_jaxpr(kind: str, params: dict, avals: tuple, partitioned: bool = Fal
            jax.sharding.get_abstract_mesh(), partitioned)  # fmt: skip
     hit = table.get(key)
     if hit is None:
-        with _per_device.partitioning(partitioned):
+        axes = _state_axes(params["loop"], avals)
+        with _per_device.partitioning(partitioned), _vma.loop_state_axes(axes):
             hit = jax.make_jaxpr(functools.partial(_KERNEL_FNS[kind], **params))(*avals)
         table[key] = hit
     return hit
+
+
+def _state_axes(loop: Loop, avals: tuple) -> tuple[str, ...]:
+    """The manual axes a kernel's loop state varies over: those of its operands and of the
+    step's (and stop predicate's) inputs and outputs as traced."""
+    traced = [loop.step_jaxpr.in_avals, loop.step_jaxpr.out_avals]
+    if loop.cond_jaxpr is not None:
+        traced.append(loop.cond_jaxpr.in_avals)
+    return _vma.state_axes_of([list(avals), traced])
 
 
 def _register(prim: Primitive, kind: str):

@@ -53,10 +53,11 @@ def step_vjp(loop: Loop, pert: Perturbed, consts: Sequence[Any], carry: Sequence
         new_c, y = loop.inner(merge(kd, kn, kp), merge(cd, cn, cp), merge(xd, xn, xp), key)
         return (take(new_c, cp), take(y, pert.ys)), (new_c, y)
 
-    # Inside shard_map, a vjp with respect to a replicated value would psum its cotangent over
+    # Inside shard_map, a vjp with respect to a replicated const would psum its cotangent over
     # the devices at every step, and the caller sums the loop's cotangents over them once more
-    # at the end: varying inputs keep every step's cotangent per device (as in rows_vjp).
-    diff = (_vma.vary(take(consts, kp)), _vma.vary(take(carry, cp)), _vma.vary(take(x, xp)))
+    # at the end: varying consts (and xs) keep every step's cotangent per device (as in
+    # rows_vjp). The carry keeps its loop-state type: its cotangent flows to the previous step.
+    diff = (_vma.vary(take(consts, kp)), take(carry, cp), _vma.vary(take(x, xp)))
     _, pullback, aux = jax.vjp(f, *diff, has_aux=True)
     return aux, pullback
 

@@ -306,7 +306,15 @@ def trace_loop(
             new_leaves = carry_codec.encode(new_leaves)
         return new_leaves, seen["y_codec"].encode(y_leaves)
 
+    # Inside shard_map, the step is traced on examples varying over the axes its operands vary
+    # over; the kernels widen that by the axes of the consts and of the step's outputs.
+    axes = _vma.state_axes_of([carry_enc, xs_leaves, stacked_leaves, key_example])
+
     def build():
+        with _vma.loop_state_axes(axes):
+            return traced_loop()
+
+    def traced_loop():
         examples = c_examples
         if any(e.weak_type for e in examples):
             # A weakly typed init leaf takes the dtype the step returns for it (lax's rule).
@@ -347,7 +355,7 @@ def trace_loop(
     cache_key = (
         kind, cond_fn, carry_tree, xs_tree, stacked_tree, carry_codec, x_codec, keys,
         tuple(map(_aval_key, c_examples + x_examples + s_examples + key_args)),
-        max_steps, checkpoints, strategy, slots, _context(),
+        max_steps, checkpoints, strategy, slots, _context(), axes,
     )  # fmt: skip
     loop, consts, cconsts, y_tree, y_codec = _cached(fn, cache_key, build)
     init_leaves = [

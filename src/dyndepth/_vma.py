@@ -5,7 +5,11 @@ axes it varies over, and ``lax.while_loop``/``scan``/``cond`` demand that a loop
 same "varying" type going in and coming out. The engine's loop states mix per-device data (the
 carries, depths, keys) with counters built from constants (``jnp.zeros``), which start
 replicated and become varying after one step. The wrappers here make every state leaf varying
-over all manual axes of the current mesh, going in and coming out, so the loops are well typed.
+over the loop's *state axes*, going in and coming out, so the loops are well typed. A loop's
+state axes are the manual axes its operands vary over (:func:`state_axes_of`, set for a loop
+with :func:`loop_state_axes`): inside a ``shard_map`` over ``("data", "model")`` whose batch is
+split over ``data`` and whose parameters are replicated, the loop's outputs vary over ``data``
+only, as a ``lax.fori_loop``'s would, so ``out_specs=P("data")`` type-checks.
 
 Outside ``shard_map`` there are no manual axes and every wrapper is the plain ``lax`` function.
 A per-device loop is what we want there anyway: each device schedules its own shard.
@@ -18,10 +22,12 @@ written into them (``dyndepth._per_device`` runs a batched loop once per device)
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 
@@ -33,14 +39,57 @@ def manual_axes() -> tuple[str, ...]:
     return tuple(mesh.manual_axes)
 
 
+# The state axes of the loop being traced, with the manual axes they were chosen among; None:
+# every manual axis (no loop set them, or a shard_map was entered since: dyndepth's own
+# per-device shard_map, whose manual axes are the batch's).
+_STATE_AXES: contextvars.ContextVar[tuple[tuple[str, ...], tuple[str, ...]] | None] = (
+    contextvars.ContextVar("dyndepth_state_axes", default=None)
+)
+
+
+def state_axes() -> tuple[str, ...]:
+    """The manual axes a loop's state varies over: those set by :func:`loop_state_axes` for the
+    loop being traced, else every manual axis."""
+    axes = manual_axes()
+    chosen = _STATE_AXES.get()
+    if chosen is None or chosen[0] != axes:
+        return axes
+    return chosen[1]
+
+
+def state_axes_of(leaves: Any) -> tuple[str, ...]:
+    """The manual axes any of ``leaves`` (values or abstract values) varies over, in mesh order."""
+    axes = manual_axes()
+    if not axes:
+        return ()
+    found = frozenset().union(*(_leaf_varying(x) for x in jax.tree_util.tree_leaves(leaves)))
+    return tuple(a for a in axes if a in found)
+
+
+def _leaf_varying(x: Any) -> frozenset:
+    if isinstance(x, jax.core.AbstractValue | jax.ShapeDtypeStruct):
+        return aval_varying(x)
+    return varying(x)
+
+
+@contextlib.contextmanager
+def loop_state_axes(axes: tuple[str, ...]):
+    """Trace a loop whose state varies over ``axes`` (see the module docstring)."""
+    token = _STATE_AXES.set((manual_axes(), tuple(axes)))
+    try:
+        yield
+    finally:
+        _STATE_AXES.reset(token)
+
+
 def varying(x: Any) -> frozenset:
     """The manual axes ``x`` varies over."""
     return aval_varying(jax.typeof(x))
 
 
 def vary(tree: Any, axes: tuple[str, ...] | None = None) -> Any:
-    """Mark every leaf of ``tree`` as varying over ``axes`` (default: all manual axes)."""
-    axes = manual_axes() if axes is None else axes
+    """Mark every leaf of ``tree`` as varying over ``axes`` (default: the state axes)."""
+    axes = state_axes() if axes is None else axes
     if not axes:
         return tree
 
@@ -61,13 +110,13 @@ def aval_varying(aval: Any) -> frozenset:
 
 
 def varying_example(example: Any) -> Any:
-    """``example`` (a ``ShapeDtypeStruct``) as varying over every manual axis, if any.
+    """``example`` (a ``ShapeDtypeStruct``) as varying over the state axes, if any.
 
     The step functions are traced once on abstract examples. Inside ``shard_map`` the loop
     state is varying, so the examples must be too: otherwise the traced step pins casts (or
     inner ``cond``/``scan`` types) for replicated inputs that no longer fit at run time.
     """
-    axes = manual_axes()
+    axes = state_axes()
     if not axes or example is None:
         return example
     mesh = jax.sharding.get_abstract_mesh()
@@ -128,11 +177,12 @@ def _retrace(eqn: Any, invals: list) -> list | None:
             return None
         jaxpr, consts = call
         return eval_jaxpr(jaxpr, consts, *invals[-len(jaxpr.invars) :])
-    # Control flow is always traced anew with every input varying: its inner jaxprs then hold
-    # no cast of an input, which ``vmap`` (turning a batched ``cond`` into a select, which
-    # broadcasts the operands) would otherwise apply to an already-varying value.
+    # Control flow is always traced anew with every input varying over every axis any input
+    # varies over: its inner jaxprs then hold no cast of an input, which ``vmap`` (turning a
+    # batched ``cond`` into a select, which broadcasts the operands) would otherwise apply to
+    # an already-varying value.
     if name in ("cond", "while", "scan"):
-        invals = vary(list(invals))
+        invals = vary(list(invals), state_axes_of(invals))
     if name == "cond":
         branches = params["branches"]
         return switch(invals[0], [_closed_fn(br) for br in branches], *invals[1:])
@@ -277,44 +327,88 @@ def unvary_to(cts: list, vmas: list[frozenset]) -> list:
     return [one(ct, vma) for ct, vma in zip(cts, vmas, strict=True)]
 
 
+def _cast(tree: Any, types: list[frozenset]) -> Any:
+    """``tree`` with leaf ``i`` made varying over ``types[i]`` (which it must include)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef.unflatten(
+        [vary(x, tuple(sorted(t))) for x, t in zip(leaves, types, strict=True)]
+    )
+
+
+def _traced(fn: Callable, *args: Any) -> tuple[Callable, list[frozenset]]:
+    """``fn`` traced once on ``args``: a function evaluating the trace (no second trace of the
+    Python code) and the manual axes each output leaf varies over."""
+    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    treedef = jax.tree_util.tree_structure(shape)
+
+    def run(*a):
+        flat = jax.tree_util.tree_leaves(a)
+        # the inputs have the traced types: no reconciling needed (nor wanted: it would widen)
+        return treedef.unflatten(jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat))
+
+    return run, [aval_varying(v) for v in closed.out_avals]
+
+
+def _settled(body: Callable, init: Any) -> tuple[Any, Callable]:
+    """``(init, body)`` for a loop whose state is typed as narrowly as it can be: each leaf
+    of ``init`` made varying over the axes that ``body``'s outputs make it vary over, until none
+    widens (a fixed point: at most one round per axis), and ``body`` traced once for those
+    types, its outputs cast to them."""
+    for _ in range(len(manual_axes()) + 1):
+        run, out = _traced(body, init)
+        have = [varying(x) for x in jax.tree_util.tree_leaves(init)]
+        want = [h | o for h, o in zip(have, out, strict=True)]
+        if want == have:
+            break
+        init = _cast(init, want)
+
+    def cast_body(*a):
+        return _cast(run(*a), have)
+
+    return init, cast_body
+
+
 def while_loop(cond: Callable, body: Callable, init: Any) -> Any:
-    axes = manual_axes()
-    if not axes:
+    """``lax.while_loop``; inside ``shard_map``, each state leaf typed as varying over the axes
+    the loop makes it vary over (and no more), so that the outputs are typed as narrowly as a
+    ``lax.while_loop`` written for those types."""
+    if not manual_axes():
         return lax.while_loop(cond, body, init)
-    return lax.while_loop(cond, lambda s: vary(body(s), axes), vary(init, axes))
+    init, body = _settled(body, init)
+    return lax.while_loop(cond, body, init)
 
 
 def scan(body: Callable, init: Any, xs: Any, **kwargs: Any) -> Any:
-    axes = manual_axes()
-    if not axes:
+    """``lax.scan``, typed inside ``shard_map`` as :func:`while_loop` is."""
+    if not manual_axes():
         return lax.scan(body, init, xs, **kwargs)
+    x0 = jax.tree_util.tree_map(lambda a: a[0], xs)
+    init, _ = _settled(lambda c: body(c, x0)[0], init)
+    have = [varying(x) for x in jax.tree_util.tree_leaves(init)]
 
-    def wrapped(c, x):
+    def typed(c, x):
         c, y = body(c, x)
-        return vary(c, axes), vary(y, axes)
+        return _cast(c, have), y
 
-    return lax.scan(wrapped, vary(init, axes), xs, **kwargs)
-
-
-def cond(pred: Any, true_fn: Callable, false_fn: Callable, *operands: Any) -> Any:
-    axes = manual_axes()
-    if not axes:
-        return lax.cond(pred, true_fn, false_fn, *operands)
-    return lax.cond(
-        pred,
-        lambda *a: vary(true_fn(*a), axes),
-        lambda *a: vary(false_fn(*a), axes),
-        *vary(operands, axes),
-    )
+    return lax.scan(typed, init, xs, **kwargs)
 
 
 def switch(index: Any, branches: list[Callable], *operands: Any) -> Any:
-    axes = manual_axes()
-    if not axes:
+    """``lax.switch``; inside ``shard_map``, every branch's outputs typed as varying over the
+    axes any branch's do."""
+    if not manual_axes():
         return lax.switch(index, branches, *operands)
-    return lax.switch(
-        index, [lambda *a, b=b: vary(b(*a), axes) for b in branches], *vary(operands, axes)
-    )
+    shapes = [jax.eval_shape(b, *operands) for b in branches]
+    types = [frozenset().union(*(aval_varying(o) for o in outs))
+             for outs in zip(*map(jax.tree_util.tree_leaves, shapes), strict=True)]  # fmt: skip
+    return lax.switch(index, [lambda *a, b=b: _cast(b(*a), types) for b in branches], *operands)
+
+
+def cond(pred: Any, true_fn: Callable, false_fn: Callable, *operands: Any) -> Any:
+    """``lax.cond``, typed inside ``shard_map`` as :func:`switch` is."""
+    if not manual_axes():
+        return lax.cond(pred, true_fn, false_fn, *operands)
+    return switch(jnp.asarray(pred, jnp.int32), [false_fn, true_fn], *operands)
 
 
 def type_mesh(leaves: Any) -> Any:

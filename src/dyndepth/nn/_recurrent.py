@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .. import _vma
 from .._keys import KeySchedule
 from .._loop import repeat, scan
 from .._step import closure_convert
@@ -19,13 +20,17 @@ __all__ = ["recurrent_depth"]
 
 
 def _stopped(fn: Callable, *example_args: Any) -> Callable:
-    """``fn`` with every value it closes over (outer tracers included) behind ``stop_gradient``."""
-    jaxpr, consts, out_shape = closure_convert(fn, *example_args)
+    """``fn`` with every value it closes over (outer tracers included) behind ``stop_gradient``.
+
+    Inside ``shard_map`` it is traced for arguments varying over the axes ``example_args`` vary
+    over, and evaluated for whatever types the loop's state has then."""
+    with _vma.loop_state_axes(_vma.state_axes_of(example_args)):
+        jaxpr, consts, out_shape = closure_convert(fn, *example_args)
     consts = [lax.stop_gradient(c) for c in consts]
     out_tree = jax.tree_util.tree_structure(out_shape)
 
     def call(*args):
-        out = jax.core.eval_jaxpr(jaxpr.jaxpr, [], *consts, *jax.tree_util.tree_leaves(args))
+        out = _vma.eval_jaxpr(jaxpr.jaxpr, [], *consts, *jax.tree_util.tree_leaves(args))
         return jax.tree_util.tree_unflatten(out_tree, out)
 
     return call

@@ -15,6 +15,9 @@ import textwrap
 import pytest
 from test_shard import run_on_eight_devices
 
+# Its tests share an expensive module fixture: one pytest-xdist worker runs them all (Makefile).
+pytestmark = pytest.mark.xdist_group("auto_mesh")
+
 SCRIPT = textwrap.dedent(
     """
     import json, re

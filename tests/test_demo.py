@@ -287,12 +287,14 @@ def _check_data_parallel(res, per_sample):
             assert rec["executed"] == rec["useful"] == [ref["useful"][0] // nd] * nd
 
 
+@pytest.mark.xdist_group("demo_data_parallel")  # one run of the shared fixture
 def test_data_parallel_step_matches_one_device_per_sample(data_parallel_steps):
     _check_data_parallel(data_parallel_steps, "True")
     assert "--devices 8" in data_parallel_steps["batch_error"]
     assert "--batch 100" in data_parallel_steps["batch_error"]
 
 
+@pytest.mark.xdist_group("demo_data_parallel")  # one run of the shared fixture
 def test_data_parallel_step_matches_one_device_per_batch(data_parallel_steps):
     _check_data_parallel(data_parallel_steps, "False")
 

@@ -142,8 +142,13 @@ KEYED_SCRIPT = textwrap.dedent(
         return jax.vmap(lambda yi, xi, di, ki: dnn.recurrent_depth(
             core, yi, xi, n=di // 2, k=di - di // 2, max_n=M, max_k=M, key=ki))(y, x, d, k)
 
-    def loss_of(run):
-        return lambda W, x, d, k: jnp.sum(run(W, x, d, k) ** 2)
+    def out_and_grads(run):
+        # one compiled program: the output and the gradients with respect to W and x
+        def loss(W, x, d, k):
+            out = run(W, x, d, k)
+            return jnp.sum(out ** 2), out
+        vg = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+        return jax.jit(lambda *a: (lambda r: (r[0][1], r[1]))(vg(*a)))
 
     def collectives_in_loops(hlo):
         # computations used as a while body or condition must not hold a collective
@@ -161,9 +166,7 @@ KEYED_SCRIPT = textwrap.dedent(
 
     results = {}
     runs = (("batched", batched), ("vmapped", vmapped), ("masked", masked), ("nn", layer_drop))
-    ref = {n: (jax.jit(r)(W, x, depths, keys),
-               jax.jit(jax.grad(loss_of(r), argnums=(0, 1)))(W, x, depths, keys))
-           for n, r in runs}
+    ref = {n: out_and_grads(r)(W, x, depths, keys) for n, r in runs}
     for nd in (8,):  # test_shard_map_per_device_scheduling covers 1, 2 and 8 devices
         mesh = jax.make_mesh((nd,), ("data",), devices=jax.devices()[:nd])
         put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
@@ -171,9 +174,8 @@ KEYED_SCRIPT = textwrap.dedent(
         for name, run in runs:
             sm = jax.shard_map(run, mesh=mesh, in_specs=(P(), P("data"), P("data"), P("data")),
                                out_specs=P("data"))
-            out = jax.jit(sm)(*args)
-            g = jax.jit(jax.grad(loss_of(sm), argnums=(0, 1))).lower(*args).compile()
-            gw, gx = g(*args)
+            g = out_and_grads(sm).lower(*args).compile()
+            out, (gw, gx) = g(*args)
             hlo = g.as_text()
             results[f"{name}-{nd}"] = dict(
                 dout=rel(out, ref[name][0]),
@@ -191,8 +193,7 @@ KEYED_SCRIPT = textwrap.dedent(
             lambda c, t, kk: (f(c, kk), jnp.sum(c) * t), xi, jnp.arange(M, dtype=jnp.float32),
             depth=di, key=ki)[1])(x, d, k)
 
-    ref["scan"] = (jax.jit(scanned)(W, x, depths, keys),
-                   jax.jit(jax.grad(loss_of(scanned), argnums=(0, 1)))(W, x, depths, keys))
+    ref["scan"] = out_and_grads(scanned)(W, x, depths, keys)
     mesh = jax.make_mesh((8,), ("data",))
     put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
     args = (put(W, P()), put(x, P("data")), put(depths, P("data")), put(keys, P("data")))
@@ -200,10 +201,9 @@ KEYED_SCRIPT = textwrap.dedent(
     # (not "masked": like JAX's own scan + cond under vmap, it does not trace there unless a
     # context mesh is set; README, "Scaling out")
     for name, run in [r for r in runs if r[0] != "masked"] + [("scan", scanned)]:
-        out = jax.jit(run)(*args)
-        g = jax.jit(jax.grad(loss_of(run), argnums=(0, 1))).lower(*args).compile()
-        gw, gx = g(*args)
-        hlo = jax.jit(run).lower(*args).compile().as_text() + g.as_text()
+        g = out_and_grads(run).lower(*args).compile()
+        out, (gw, gx) = g(*args)
+        hlo = g.as_text()
         plain[name] = dict(
             dout=rel(out, ref[name][0]), dgw=rel(gw, ref[name][1][0]),
             dgx=rel(gx, ref[name][1][1]), lead=str(out.sharding.spec[0]),
@@ -321,7 +321,7 @@ TWO_D_SCRIPT = textwrap.dedent(
     import dyndepth
     import dyndepth.nn as dnn
 
-    B, D, M = 32, 8, 10
+    B, D, M = 16, 8, 10
     W = jax.random.normal(jax.random.key(0), (D, D)) / 3
     W2 = jax.random.normal(jax.random.key(5), (D, D)) / 3
     x = jax.random.normal(jax.random.key(1), (B, D))
@@ -399,11 +399,11 @@ TWO_D_SCRIPT = textwrap.dedent(
         want = (run(W, x, depths, keys), jax.grad(loss, argnums=(0, 1))(W, x, depths, keys))
         sm = jax.shard_map(run, mesh=mesh, in_specs=(P(), P("data"), P("data"), P("data")),
                            out_specs=P("data"))
-        sloss = lambda W, x, d, k: jnp.sum(sm(W, x, d, k) ** 2)
+        sloss = lambda W, x, d, k: (lambda o: (jnp.sum(o ** 2), o))(sm(W, x, d, k))
         args = (put(W, P()), put(x, P("data")), put(depths, P("data")), put(keys, P("data")))
-        g = jax.jit(jax.grad(sloss, argnums=(0, 1))).lower(*args).compile()
-        gw, gx = g(*args)
-        out = jax.jit(sm)(*args)
+        vg = jax.value_and_grad(sloss, argnums=(0, 1), has_aux=True)
+        g = jax.jit(vg).lower(*args).compile()
+        (_, out), (gw, gx) = g(*args)
         results[name] = dict(
             err=max(rel(out, want[0]), rel(gw, want[1][0]), rel(gx, want[1][1])),
             all_gather=g.as_text().count("all-gather"),

@@ -398,10 +398,11 @@ def switch(index: Any, branches: list[Callable], *operands: Any) -> Any:
     axes any branch's do."""
     if not manual_axes():
         return lax.switch(index, branches, *operands)
-    shapes = [jax.eval_shape(b, *operands) for b in branches]
-    types = [frozenset().union(*(aval_varying(o) for o in outs))
-             for outs in zip(*map(jax.tree_util.tree_leaves, shapes), strict=True)]  # fmt: skip
-    return lax.switch(index, [lambda *a, b=b: _cast(b(*a), types) for b in branches], *operands)
+    traced = [_traced(b, *operands) for b in branches]
+    types = [frozenset().union(*t) for t in zip(*(out for _, out in traced), strict=True)]
+    return lax.switch(
+        index, [lambda *a, run=run: _cast(run(*a), types) for run, _ in traced], *operands
+    )
 
 
 def cond(pred: Any, true_fn: Callable, false_fn: Callable, *operands: Any) -> Any:

@@ -135,7 +135,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # (not torn down when the worker runs another module)
 def results():
     return run_on_eight_devices(SCRIPT)
 

@@ -171,7 +171,8 @@ KEYED_SCRIPT = textwrap.dedent(
         mesh = jax.make_mesh((nd,), ("data",), devices=jax.devices()[:nd])
         put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
         args = (put(W, P()), put(x, P("data")), put(depths, P("data")), put(keys, P("data")))
-        for name, run in runs:
+        # ("masked" and "nn" inside shard_map: test_shard_map_on_a_two_dimensional_mesh)
+        for name, run in runs[:2]:
             sm = jax.shard_map(run, mesh=mesh, in_specs=(P(), P("data"), P("data"), P("data")),
                                out_specs=P("data"))
             g = out_and_grads(sm).lower(*args).compile()
@@ -258,13 +259,12 @@ def test_shard_map_keyed_steps_with_constants_and_cond():
         assert rec["dout"] < 1e-5 and rec["dgw"] < 1e-5 and rec["dgx"] < 1e-5, (name, rec)
         assert rec["lead"] == "data", (name, rec)  # the output stays split over the devices
         assert rec["all_gather"] == 0 and rec["in_loops"] == [], (name, rec)
-    assert len(results) == 4
+    assert len(results) == 2
     for name, rec in results.items():
         # relative to the largest entry: float32 sums in another order over the devices
         assert rec["dout"] < 1e-5 and rec["dgw"] < 1e-5 and rec["dgx"] < 1e-5, (name, rec)
-        if not name.startswith("masked"):
-            # dyndepth's own loops sum the replicated W's gradient once, after the loop
-            assert rec["in_loops"] == [] and rec["all_reduce"] >= 1, (name, rec)
+        # dyndepth's own loops sum the replicated W's gradient once, after the loop
+        assert rec["in_loops"] == [] and rec["all_reduce"] >= 1, (name, rec)
 
 
 REPLICATED_GRAD_SCRIPT = textwrap.dedent(
@@ -331,7 +331,13 @@ TWO_D_SCRIPT = textwrap.dedent(
     put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
 
     def layer(W):
-        return lambda c, k: c + jnp.tanh(c @ W) * jax.random.bernoulli(k, 0.9, c.shape)
+        # constants made inside the step and control flow on the carry, with a key
+        def f(c, k):
+            h = jnp.tanh(c @ W) * 0.5 + jnp.ones(D) / D
+            h = jax.lax.cond(jnp.sum(h) > 0, lambda: h @ W, lambda: -h)
+            h = jax.lax.fori_loop(0, 2, lambda i, h: h + 0.1 * jnp.tanh(h @ W), h)
+            return c + jnp.where(jax.random.bernoulli(k, 0.9, h.shape), h, 0.0)
+        return f
 
     def per_sample(loop):
         return lambda W, x, d, k: jax.vmap(lambda xi, di, ki: loop(W, xi, di, ki))(x, d, k)

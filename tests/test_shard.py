@@ -194,14 +194,24 @@ KEYED_SCRIPT = textwrap.dedent(
             lambda c, t, kk: (f(c, kk), jnp.sum(c) * t), xi, jnp.arange(M, dtype=jnp.float32),
             depth=di, key=ki)[1])(x, d, k)
 
+    def rowwise(W, x, d, k):  # a step that vmaps over rows with closed-over parameters,
+        # as eqx.nn.Linear and LayerNorm are applied to a sequence
+        def norm(r):
+            return (r - r.mean()) / jnp.sqrt(((r - r.mean()) ** 2).mean() + 1e-5)
+        step = lambda c: c + jnp.tanh(jax.vmap(lambda r: norm(r) @ W[:4, :4] + W[0, :4])(
+            c.reshape(2, 4))).reshape(D)
+        return jax.vmap(lambda xi, di: dyndepth.repeat(step, xi, di, max_depth=M))(x, d)
+
     ref["scan"] = out_and_grads(scanned)(W, x, depths, keys)
+    ref["rows"] = out_and_grads(rowwise)(W, x, depths, keys)
     mesh = jax.make_mesh((8,), ("data",))
     put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
     args = (put(W, P()), put(x, P("data")), put(depths, P("data")), put(keys, P("data")))
     plain = {}
     # (not "masked": like JAX's own scan + cond under vmap, it does not trace there unless a
     # context mesh is set; README, "Scaling out")
-    for name, run in [r for r in runs if r[0] != "masked"] + [("scan", scanned)]:
+    for name, run in [r for r in runs if r[0] != "masked"] + [("scan", scanned),
+                                                                ("rows", rowwise)]:
         g = out_and_grads(run).lower(*args).compile()
         out, (gw, gx) = g(*args)
         hlo = g.as_text()
@@ -254,7 +264,7 @@ def test_shard_map_keyed_steps_with_constants_and_cond():
     assert results.pop("replicated") < 1e-5
     assert max(results.pop("lockstep").values()) < 1e-5
     plain = results.pop("plain_jit")
-    assert set(plain) == {"batched", "vmapped", "nn", "scan"}
+    assert set(plain) == {"batched", "vmapped", "nn", "scan", "rows"}
     for name, rec in plain.items():
         assert rec["dout"] < 1e-5 and rec["dgw"] < 1e-5 and rec["dgx"] < 1e-5, (name, rec)
         assert rec["lead"] == "data", (name, rec)  # the output stays split over the devices

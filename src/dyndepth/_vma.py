@@ -256,6 +256,7 @@ def eval_jaxpr(jaxpr: Any, consts: list, *args: Any) -> list:
                     invals = [vary(x, tuple(sorted(frozenset().union(*vmas)))) for x in invals]
             bind = eqn.primitive.get_bind_params(eqn.params)
             subfuns, bind = bind if isinstance(bind, tuple) else ((), bind)
+            bind = _without_other_mesh(bind, mesh)
             ctx = getattr(eqn, "ctx", None)
             # The traced equation's context, except when it was traced under another mesh (a
             # step traced outside shard_map and run inside it): entering it would record that
@@ -271,6 +272,20 @@ def eval_jaxpr(jaxpr: Any, consts: list, *args: Any) -> list:
         for v, x in zip(eqn.outvars, outs, strict=True):
             env[v] = x
     return [read(v) for v in jaxpr.outvars]
+
+
+def _without_other_mesh(params: dict, mesh: Any) -> dict:
+    """``params`` with a sharding on another mesh dropped (None: inferred from the inputs). A
+    step traced under ``jit`` with ``Explicit`` mesh axes records output shardings on that mesh
+    (``vmap`` over rows broadcasts with one); inside the per-device ``shard_map`` the same
+    operation runs on a device's rows, where that mesh's shardings do not apply."""
+    out = dict(params)
+    for name in ("sharding", "out_sharding"):
+        value = params.get(name)
+        other = getattr(value, "mesh", None)
+        if other is not None and getattr(other, "abstract_mesh", other) != mesh:
+            out[name] = None
+    return out
 
 
 def _has_jaxpr(p: Any) -> bool:

@@ -19,11 +19,9 @@ lint: venv
 
 # two test processes (pytest-xdist): JAX compiles are mostly single-threaded, so on two cores
 # the suite took 6.5 instead of 9.6 minutes; `make test PYTEST_ARGS=` runs one process.
-# --dist loadgroup: the tests of an `xdist_group` (those sharing an expensive module fixture,
-# such as the 8-device runs of test_auto_mesh.py) run on one worker, so the fixture runs once.
 # The suite includes the documentation (tests/test_docs.py runs its code, tests/test_site.py
 # builds the site and checks its pages) and the packaging (tests/test_wheel.py).
-PYTEST_ARGS ?= -n 2 --dist loadgroup
+PYTEST_ARGS ?= -n 2
 
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS) tests

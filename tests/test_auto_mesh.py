@@ -12,19 +12,16 @@ starts).
 
 import textwrap
 
-import pytest
 from test_shard import run_on_eight_devices
-
-# Its tests share an expensive module fixture: one pytest-xdist worker runs them all (Makefile).
-pytestmark = pytest.mark.xdist_group("auto_mesh")
 
 SCRIPT = textwrap.dedent(
     """
-    import json, re
+    import json, os, re
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import dyndepth as dd
 
+    FULL = os.environ.get("DYNDEPTH_FULL") == "1"
     B, D, T = 32, 8, 10
     W = jax.random.normal(jax.random.PRNGKey(0), (D, D)) / 3
     xs = jax.random.normal(jax.random.PRNGKey(1), (B, D))
@@ -116,7 +113,9 @@ SCRIPT = textwrap.dedent(
         put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
         w_spec = (None, "model") if layout == "2d-tp" else ()
         args = (put(W, *w_spec), put(xs, "data"), put(ds, "data"), put(ks, "data"))
-        for name, run in LOOPS.items():
+        for i, (name, run) in enumerate(LOOPS.items()):
+            if layout != "1d" and not FULL and i % 2 != (layout == "2d-tp"):
+                continue  # make test: each loop on one of the 2-D layouts
             g = jax.jit(jax.value_and_grad(loss_of(run))).lower(*args).compile()
             v, gw = g(*args)
             hlo = g.as_text()
@@ -135,26 +134,24 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="session")  # (not torn down when the worker runs another module)
-def results():
-    return run_on_eight_devices(SCRIPT)
-
-
 LOOPS = ("vmap_repeat", "vmap_repeat_checkpoints", "repeat_batched", "vmap_scan", "vmap_while",
          "recurrent_depth")  # fmt: skip
 
 
-def test_the_loop_check_sees_a_collective_in_a_partitioned_lax_while_loop(results):
-    assert results["control"]["in_loops"] > 0
-
-
-@pytest.mark.parametrize("layout", ["1d", "2d-ddp", "2d-tp"])
-@pytest.mark.parametrize("loop", LOOPS)
-def test_auto_mesh_per_device_loops(results, layout, loop):
-    r = results[f"{layout} {loop}"]
-    assert r["value_err"] < 1e-5 and r["grad_err"] < 1e-5, r
-    assert r["permutes"] == 0 and r["in_loops"] == 0, r
-    # Only a tensor-parallel weight is gathered (over `model`, once, before the loops).
-    assert r["gathers_not_of_W"] == 0, r
-    if layout != "2d-tp":
-        assert r["gathers"] == 0, r
+def test_auto_mesh_per_device_loops():
+    """One test (one 8-device run, not one per pytest-xdist worker): every loop on the 1-D
+    mesh, data-parallel and tensor-parallel weights on the 2-D mesh (all of them with
+    DYNDEPTH_FULL=1, half of them each in `make test`), and the control."""
+    results = run_on_eight_devices(SCRIPT)
+    # the check of the compiled programs finds a collective inside a loop when there is one
+    assert results.pop("control")["in_loops"] > 0
+    assert {k.split()[0] for k in results} == {"1d", "2d-ddp", "2d-tp"}
+    assert all(f"1d {loop}" in results for loop in LOOPS)
+    for name, r in results.items():
+        layout = name.split()[0]
+        assert r["value_err"] < 1e-5 and r["grad_err"] < 1e-5, (name, r)
+        assert r["permutes"] == 0 and r["in_loops"] == 0, (name, r)
+        # Only a tensor-parallel weight is gathered (over `model`, once, before the loops).
+        assert r["gathers_not_of_W"] == 0, (name, r)
+        if layout != "2d-tp":
+            assert r["gathers"] == 0, (name, r)

@@ -17,9 +17,6 @@ from dyndepth._app import cli as _cli
 from dyndepth._app import demo, train
 from dyndepth._app.config import QUICK, Config, replace
 
-# Its tests share an expensive module fixture: one pytest-xdist worker runs them all (Makefile).
-pytestmark = pytest.mark.xdist_group("cli")
-
 
 def test_bench_quick_runs_and_writes_json_and_plot(tmp_path, capsys):
     out = tmp_path / "bench.json"

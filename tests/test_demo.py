@@ -253,7 +253,6 @@ def _eight_devices():
     return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
 
 
-@pytest.fixture(scope="module")
 def data_parallel_steps():
     """One training step on 1, 2 and 8 simulated devices, per-batch and per-sample depths."""
     proc = subprocess.run(
@@ -287,16 +286,14 @@ def _check_data_parallel(res, per_sample):
             assert rec["executed"] == rec["useful"] == [ref["useful"][0] // nd] * nd
 
 
-@pytest.mark.xdist_group("demo_data_parallel")  # one run of the shared fixture
-def test_data_parallel_step_matches_one_device_per_sample(data_parallel_steps):
-    _check_data_parallel(data_parallel_steps, "True")
-    assert "--devices 8" in data_parallel_steps["batch_error"]
-    assert "--batch 100" in data_parallel_steps["batch_error"]
-
-
-@pytest.mark.xdist_group("demo_data_parallel")  # one run of the shared fixture
-def test_data_parallel_step_matches_one_device_per_batch(data_parallel_steps):
-    _check_data_parallel(data_parallel_steps, "False")
+def test_data_parallel_step_matches_one_device():
+    """Per-sample and per-batch depths (one test: one 8-device run per session, not one per
+    pytest-xdist worker)."""
+    res = data_parallel_steps()
+    _check_data_parallel(res, "True")
+    _check_data_parallel(res, "False")
+    assert "--devices 8" in res["batch_error"]
+    assert "--batch 100" in res["batch_error"]
 
 
 @pytest.mark.slow

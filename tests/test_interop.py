@@ -24,9 +24,6 @@ eqx = pytest.importorskip("equinox")
 pytest.importorskip("flax")
 from flax import nnx  # noqa: E402
 
-# Its tests share an expensive module fixture: one pytest-xdist worker runs them all (Makefile).
-pytestmark = pytest.mark.xdist_group("interop")
-
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 GTOL = dict(rtol=2e-5, atol=2e-5)
 

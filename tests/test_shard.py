@@ -94,6 +94,24 @@ def test_shard_map_per_device_scheduling():
                 assert us <= ex <= 1.15 * us, (name, rec)
 
 
+# Prepended to the scripts that inspect compiled programs.
+LOOP_HLO = textwrap.dedent(
+    """
+    import re
+
+
+    def loop_computations(hlo):
+        # (name, text) of every computation used as a while body or condition
+        loops = set(re.findall(r"(?:body|condition)=%?([\\w.\\-]+)", hlo))
+        for comp in hlo.split("\\n\\n"):
+            head = comp.strip().split("\\n", 1)[0]
+            name = head.split()[0].lstrip("%") if head else ""
+            if name in loops:
+                yield name, comp
+    """
+)
+
+
 KEYED_SCRIPT = textwrap.dedent(
     """
     import json, re
@@ -152,14 +170,8 @@ KEYED_SCRIPT = textwrap.dedent(
 
     def collectives_in_loops(hlo):
         # computations used as a while body or condition must not hold a collective
-        loops = set(re.findall(r"(?:body|condition)=%?([\\w.\\-]+)", hlo))
-        bad = []
-        for comp in hlo.split("\\n\\n"):
-            head = comp.strip().split("\\n", 1)[0]
-            name = head.split()[0].lstrip("%") if head else ""
-            if name in loops and re.search(r"all-reduce|all-gather|collective-permute", comp):
-                bad.append(name)
-        return bad
+        return [name for name, comp in loop_computations(hlo)
+                if re.search(r"all-reduce|all-gather|collective-permute", comp)]
 
     def rel(a, b):
         return float(jnp.max(abs(a - b)) / jnp.max(abs(b)))
@@ -259,7 +271,7 @@ KEYED_SCRIPT = textwrap.dedent(
 def test_shard_map_keyed_steps_with_constants_and_cond():
     """Step functions that take a key, build constants and branch run inside shard_map, and
     under plain jit with the batch sharded over Explicit mesh axes."""
-    results = run_on_eight_devices(KEYED_SCRIPT)
+    results = run_on_eight_devices(LOOP_HLO + KEYED_SCRIPT)
     assert results.pop("agree") < 1e-5
     assert results.pop("replicated") < 1e-5
     assert max(results.pop("lockstep").values()) < 1e-5
@@ -391,19 +403,14 @@ TWO_D_SCRIPT = textwrap.dedent(
     }
 
     def loops_collectives(hlo):
-        # the replica groups of every collective in a computation used as a while body or
-        # condition
-        loops = set(re.findall(r"(?:body|condition)=%?([\\w.\\-]+)", hlo))
+        # the replica groups of every collective in a loop's body or condition
         found = []
-        for comp in hlo.split("\\n\\n"):
-            head = comp.strip().split("\\n", 1)[0]
-            name = head.split()[0].lstrip("%") if head else ""
-            if name in loops:
-                for line in comp.splitlines():
-                    if re.search(r"all-reduce|all-gather|collective-permute|all-to-all", line):
-                        m = re.search(r"replica_groups=(\\{[^ ]*\\}|\\[[^ ,]*\\]<=\\[\\d+\\])",
-                                      line)
-                        found.append(m.group(1) if m else line.strip()[:80])
+        for _, comp in loop_computations(hlo):
+            for line in comp.splitlines():
+                if re.search(r"all-reduce|all-gather|collective-permute|all-to-all", line):
+                    m = re.search(r"replica_groups=(\\{[^ ]*\\}|\\[[^ ,]*\\]<=\\[\\d+\\])",
+                                  line)
+                    found.append(m.group(1) if m else line.strip()[:80])
         return found
 
     def rel(a, b):
@@ -488,7 +495,7 @@ def test_shard_map_on_a_two_dimensional_mesh():
     the axes its operands make it vary over, so ``out_specs=P("data")`` holds; data-parallel
     (replicated weights) and tensor-parallel (a step that psums over ``model``) programs equal
     one device, and no collective over ``data`` runs inside a loop."""
-    results = run_on_eight_devices(TWO_D_SCRIPT)
+    results = run_on_eight_devices(LOOP_HLO + TWO_D_SCRIPT)
     assert results.pop("own_key") < 1e-6
     for message in results.pop("guard"):
         assert "collective over mesh axis 'data'" in message, message

@@ -37,9 +37,6 @@ import pytest
 import dyndepth
 import dyndepth.nn
 
-# Its tests share an expensive module fixture: one pytest-xdist worker runs them all (Makefile).
-pytestmark = pytest.mark.xdist_group("site")
-
 ROOT = Path(__file__).resolve().parent.parent
 PUBLIC = {
     "api": [f"dyndepth.{n}" for n in dyndepth.__all__],

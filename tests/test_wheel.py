@@ -24,9 +24,6 @@ from pathlib import Path
 
 import pytest
 
-# Its tests share an expensive module fixture: one pytest-xdist worker runs them all (Makefile).
-pytestmark = pytest.mark.xdist_group("wheel")
-
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 VERSION = PYPROJECT["project"]["version"]

@@ -485,6 +485,17 @@ TWO_D_SCRIPT = textwrap.dedent(
         except ValueError as e:
             errors.append(str(e))
     results["guard"] = errors
+
+    # A step whose own scan has no steps (its carry types settle without a step's slice).
+    def empty_scan(x, d):
+        step = lambda c: jax.lax.scan(lambda h, t: (jnp.tanh(h @ W) + t, None), c,
+                                      jnp.zeros((0,)))[0] + 1.0
+        return dyndepth.repeat_batched(step, x, d, max_depth=M)
+
+    sm = jax.shard_map(empty_scan, mesh=mesh, in_specs=(P("data"), P("data")),
+                       out_specs=P("data"))
+    results["empty_scan"] = rel(jax.jit(sm)(put(x, P("data")), put(depths, P("data"))),
+                                empty_scan(x, depths))
     print("RESULT" + json.dumps(results))
     """
 )
@@ -497,6 +508,7 @@ def test_shard_map_on_a_two_dimensional_mesh():
     one device, and no collective over ``data`` runs inside a loop."""
     results = run_on_eight_devices(LOOP_HLO + TWO_D_SCRIPT)
     assert results.pop("own_key") < 1e-6
+    assert results.pop("empty_scan") < 1e-6
     for message in results.pop("guard"):
         assert "collective over mesh axis 'data'" in message, message
     assert len(results) == 10

@@ -351,8 +351,9 @@ def _cast(tree: Any, types: list[frozenset]) -> Any:
 
 
 def _traced(fn: Callable, *args: Any) -> tuple[Callable, list[frozenset]]:
-    """``fn`` traced once on ``args``: a function evaluating the trace (no second trace of the
-    Python code) and the manual axes each output leaf varies over."""
+    """``fn`` traced once on ``args`` (values, or abstract values such as a scan's per-step
+    slice): a function evaluating the trace (no second trace of the Python code) and the manual
+    axes each output leaf varies over."""
     closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     treedef = jax.tree_util.tree_structure(shape)
 
@@ -364,21 +365,23 @@ def _traced(fn: Callable, *args: Any) -> tuple[Callable, list[frozenset]]:
     return run, [aval_varying(v) for v in closed.out_avals]
 
 
-def _settled(body: Callable, init: Any) -> tuple[Any, Callable]:
+def _settled(body: Callable, init: Any, *rest: Any) -> tuple[Any, Callable]:
     """``(init, body)`` for a loop whose state is typed as narrowly as it can be: each leaf
-    of ``init`` made varying over the axes that ``body``'s outputs make it vary over, until none
-    widens (a fixed point: at most one round per axis), and ``body`` traced once for those
-    types, its outputs cast to them."""
+    of ``init`` made varying over the axes that ``body(init, *rest)``'s first outputs (one per
+    leaf of ``init``) make it vary over, until none widens (a fixed point: at most one round
+    per axis), and ``body`` traced once for those types, those outputs cast to them."""
+    n = len(jax.tree_util.tree_leaves(init))
     for _ in range(len(manual_axes()) + 1):
-        run, out = _traced(body, init)
+        run, out = _traced(body, init, *rest)
         have = [varying(x) for x in jax.tree_util.tree_leaves(init)]
-        want = [h | o for h, o in zip(have, out, strict=True)]
+        want = [h | o for h, o in zip(have, out[:n], strict=True)]
         if want == have:
             break
         init = _cast(init, want)
 
     def cast_body(*a):
-        return _cast(run(*a), have)
+        leaves, treedef = jax.tree_util.tree_flatten(run(*a))
+        return treedef.unflatten(_cast(leaves[:n], have) + leaves[n:])
 
     return init, cast_body
 
@@ -397,14 +400,9 @@ def scan(body: Callable, init: Any, xs: Any, **kwargs: Any) -> Any:
     """``lax.scan``, typed inside ``shard_map`` as :func:`while_loop` is."""
     if not manual_axes():
         return lax.scan(body, init, xs, **kwargs)
-    x0 = jax.tree_util.tree_map(lambda a: a[0], xs)
-    init, _ = _settled(lambda c: body(c, x0)[0], init)
-    have = [varying(x) for x in jax.tree_util.tree_leaves(init)]
-
-    def typed(c, x):
-        c, y = body(c, x)
-        return _cast(c, have), y
-
+    # One step's slice of ``xs``, abstract: a scan may have no steps.
+    x_step = jax.tree_util.tree_map(lambda a: jax.typeof(a).update(shape=a.shape[1:]), xs)
+    init, typed = _settled(body, init, x_step)
     return lax.scan(typed, init, xs, **kwargs)
 
 

@@ -1,6 +1,7 @@
 """The demo's task, model and training: data, convolutions, masking, the truncated gradient,
-resuming, per-sample depths, `dyndepth demo --quick` end to end (with `dyndepth eval`), and
-data-parallel training (`--devices N`) on 8 simulated CPU devices, in a subprocess."""
+resuming, per-sample depths, `dyndepth demo --quick` end to end (with `dyndepth eval`),
+data-parallel training (`--devices N`) on 8 simulated CPU devices, in a subprocess, and on
+several processes (`--coordinator`, `dyndepth launch`): two local processes against one."""
 
 import json
 import os
@@ -15,8 +16,8 @@ import pytest
 from helpers import tree_allclose
 
 from dyndepth._app import cli as _cli
-from dyndepth._app import demo, model, train
-from dyndepth._app.config import QUICK, Config, replace
+from dyndepth._app import demo, launch, model, train
+from dyndepth._app.config import QUICK, Config, config_to_json, replace
 
 TINY = replace(Config(), **QUICK)
 
@@ -346,3 +347,201 @@ def test_default_batch_rounds_up_to_the_devices(argv, batch):
     p = argparse.ArgumentParser()
     demo.add_arguments(p)
     assert demo.config_from_args(p.parse_args(argv)).batch == batch
+
+
+# ----------------------------------------------------------------------------- several processes
+
+COORDINATOR = ["--coordinator", "127.0.0.1:1234"]
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (COORDINATOR, ["--coordinator needs --num-processes and --process-id", "together"]),
+        (["--num-processes", "2", "--process-id", "0"], ["needs --coordinator"]),
+        (COORDINATOR + ["--num-processes", "2", "--process-id", "2"], ["argument --process-id"]),
+        (["--coordinator", "localhost"], ["argument --coordinator:", "HOST:PORT"]),
+        (["--coordinator", "h:70000"], ["argument --coordinator:", "1..65535"]),
+        (["--num-processes", "0"], ["argument --num-processes:", ">= 1"]),
+        (["--process-id", "-1"], ["argument --process-id:", ">= 0"]),
+        (
+            ["--task", "seed"] + COORDINATOR + ["--num-processes", "2", "--process-id", "0"],
+            ["--coordinator applies to the prefix-sums training only"],
+        ),
+    ],
+)
+def test_process_flags_are_one_line_errors_naming_the_flag(tmp_path, capsys, argv, words):
+    """Checked before JAX starts (none of these reaches ``jax.distributed.initialize``)."""
+    assert _cli.main(["demo", "--quick", *argv, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("dyndepth demo: error:"), err
+    assert all(w in err for w in words), err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        ([], ["no command", "-- demo"]),
+        (["--", "eval", "--checkpoint", "x"], ["`dyndepth demo` only", "eval --checkpoint x"]),
+        (["--", "demo", "--process-id", "0"], ["--process-id is set by the launcher"]),
+        (["--", "demo", "--coordinator=h:1"], ["--coordinator is set by the launcher"]),
+        (["--", "demo", "--task", "seed"], ["--task seed runs on one device"]),
+        (["--processes", "0", "--", "demo"], ["argument --processes:"]),
+        (["--devices-per-process", "x", "--", "demo"], ["argument --devices-per-process:"]),
+    ],
+)
+def test_launch_rejects_what_it_cannot_run(capsys, argv, words):
+    assert _cli.main(["launch", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("dyndepth launch: error:"), err
+    assert all(w in err for w in words), err
+
+
+def test_launch_environment_sets_the_device_count_of_each_process():
+    env = launch.process_env(
+        {"XLA_FLAGS": "--xla_a=1 --xla_force_host_platform_device_count=8"}, 2, 5
+    )
+    assert env["XLA_FLAGS"].split() == ["--xla_a=1", "--xla_force_host_platform_device_count=2"]
+    assert env["JAX_PLATFORMS"] == "cpu" and env["JAX_COORDINATOR_BIND_ADDRESS"] == "127.0.0.1:5"
+    argv = launch.process_argv(["demo", "--quick"], 5, 1, 2)
+    assert argv[1:] == ["-m", "dyndepth", "demo", "--quick", "--coordinator", "127.0.0.1:5",
+                        "--num-processes", "2", "--process-id", "1"]  # fmt: skip
+
+
+def test_mesh_takes_as_many_devices_from_every_process():
+    class Device:
+        platform = "cpu"
+
+        def __init__(self, process, i):
+            self.process_index, self.id = process, i
+
+    two = [Device(p, i) for p in (0, 1) for i in range(3)]
+    assert [(d.process_index, d.id) for d in train.mesh_devices(4, two)] == [
+        (0, 0), (0, 1), (1, 0), (1, 1)
+    ]  # fmt: skip
+    assert len(train.mesh_devices(6, two)) == 6
+    for count, words in [
+        (3, ["--devices 3", "as many devices of each of the 2 processes", "multiple of 2"]),
+        (8, ["--devices 8", "hold 6", "--xla_force_host_platform_device_count=4"]),
+    ]:
+        with pytest.raises(ValueError) as e:
+            train.mesh_devices(count, two)
+        assert all(w in str(e.value) for w in words), str(e.value)
+    one = [Device(0, i) for i in range(2)]
+    assert train.mesh_devices(2, one) == one
+    with pytest.raises(ValueError, match="--devices 3: only 2 cpu device"):
+        train.mesh_devices(3, one)
+
+
+TWO_PROCESSES = textwrap.dedent(
+    """
+    import argparse, json, sys
+    from dyndepth._app import processes
+    coordinator, process_id, out, cfg = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    processes.initialize(argparse.Namespace(
+        coordinator=coordinator, num_processes=2, process_id=process_id))
+    import jax, numpy as np
+    from dyndepth._app import train
+    from dyndepth._app.config import config_from_json
+
+    params, figures = train.train(config_from_json(json.loads(cfg)), out, devices=2)
+    if jax.process_index() == 0:
+        leaves = [np.asarray(p).ravel().tolist() for p in jax.tree.leaves(params)]
+        print("RESULT" + json.dumps(dict(figures=figures, params=leaves)))
+    """
+)
+
+
+def _start_two_processes(out_dirs, cfg):
+    port = launch.free_port()
+    env = launch.process_env(os.environ, 1, port)
+    argv = ["-c", TWO_PROCESSES, f"127.0.0.1:{port}"]
+    cfg = json.dumps(config_to_json(cfg))
+    return [
+        subprocess.Popen(
+            [sys.executable, *argv, str(i), str(out), cfg],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i, out in enumerate(out_dirs)
+    ]
+
+
+def _finish(procs, timeout=300):
+    """The processes' ``(stdout, stderr)``; a hang (processes that disagree wait for each other
+    in a collective) is a failure after ``timeout`` seconds."""
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (_, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err[-4000:]
+    return outputs
+
+
+def _same_training(got, want_params, want_figures, devices):
+    """A multi-process run's figures and parameters against a one-process run: loss and
+    parameters to 1e-5 (float summation order), the same useful work split over ``devices``."""
+    assert abs(got["figures"]["final_loss"] - want_figures["final_loss"]) <= 1e-5
+    for g, w in zip(got["params"], jax.tree.leaves(want_params), strict=True):
+        w = np.asarray(w).ravel()
+        assert np.max(np.abs(np.ravel(g) - w)) <= 1e-5 * np.max(np.abs(w))
+    rows = got["figures"]["per_device"]
+    assert [r["device"] for r in rows] == list(range(devices))
+    want_useful = want_figures["per_device"][0]["useful_sample_iterations"]
+    assert sum(r["useful_sample_iterations"] for r in rows) == want_useful > 0
+
+
+def test_two_processes_resume_and_train_as_one(tmp_path):
+    """Two processes (one CPU device each) resume a checkpoint that only process 0 can see and
+    train one step: the parameters and loss of one process resuming the same checkpoint.
+    Process 1 prints nothing of its own (gloo's connection lines aside) and writes nothing."""
+    cfg = replace(TINY, steps=2, batch=8)
+    # Not the run's own initial parameters: process 1 must take process 0's.
+    params = model.init_params(jax.random.PRNGKey(7), cfg.width)
+    out0, out1, ref = tmp_path / "p0", tmp_path / "p1", tmp_path / "ref"
+    for folder in (out0, ref):
+        folder.mkdir()
+        train.save_checkpoint(
+            str(folder / "alpha=1.ckpt.npz"), params, train.adamw_init(params), 1, cfg
+        )
+    procs = _start_two_processes([out0, out1], cfg)
+    want_params, want_figures = train.train(cfg, str(ref), log=lambda *a: None)
+    (out_0, err_0), (out_1, err_1) = _finish(procs)
+    got = json.loads(next(ln for ln in out_0.splitlines() if ln.startswith("RESULT"))[6:])
+    assert got["figures"]["steps_run"] == want_figures["steps_run"] == 1
+    _same_training(got, want_params, want_figures, devices=2)
+    assert train.load_checkpoint(str(out0 / "alpha=1.ckpt.npz"))[2] == 2
+    assert all(ln.startswith("[Gloo]") for ln in out_1.splitlines()), out_1[-2000:]
+    assert "alpha=1" in err_0 and "alpha=1" not in err_1  # the progress bar: process 0's only
+    assert not out1.exists()
+
+
+@pytest.mark.slow
+def test_launch_two_processes_matches_one_process(tmp_path, capfd):
+    """`dyndepth launch` (2 processes x 2 devices) of `demo --quick --per-sample`: the loss,
+    parameters and per-sample work of one process on one device; process 0 alone reports."""
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    argv = ["launch", "--processes", "2", "--devices-per-process", "2", "--log-dir", str(logs)]
+    demo_argv = ["demo", "--quick", "--per-sample", "--steps", "3", "--eval-lengths", "8"]
+    assert _cli.main([*argv, "--", *demo_argv, "--out", str(out)]) == 0
+    text = capfd.readouterr().out
+    assert text.count("dyndepth demo: prefix sums mod 2") == 1
+    assert "data-parallel over 4 devices of 2 processes" in text
+    assert "per-device utilisation over 3 steps on 4 device(s)" in text
+    log1 = (logs / "process-1.log").read_text()
+    assert all(ln.startswith("[Gloo]") for ln in log1.splitlines()), log1[-2000:]
+
+    report = json.loads((out / "results.json").read_text())
+    assert report["processes"] == 2 and report["devices"] == 4
+    params, _, step, cfg = train.load_checkpoint(str(out / "alpha=1.ckpt.npz"))
+    assert step == 3 and cfg.per_sample
+    want_params, want_figures = train.train(cfg, str(tmp_path / "ref"), log=lambda *a: None)
+    got = dict(figures=report["training"]["alpha=1"], params=jax.tree.leaves(params))
+    _same_training(got, want_params, want_figures, devices=4)

@@ -1,4 +1,5 @@
-"""The ``dyndepth`` command line: ``dyndepth demo``, ``dyndepth eval`` and ``dyndepth bench``.
+"""The ``dyndepth`` command line: ``dyndepth demo``, ``dyndepth eval``, ``dyndepth bench`` and
+``dyndepth launch`` (a multi-process demo on this machine).
 
 The library never imports this module.
 """
@@ -12,18 +13,44 @@ from .args import Interrupted, Parser, SigintGuard, int_at_least
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from dyndepth._app import processes
+
     if args.task == "seed":
-        if getattr(args, "devices", 1) != 1:
+        flags = processes.given(args)
+        if args.devices not in (None, 1):
+            flags.insert(0, f"--devices {args.devices}")
+        if flags:
             print(
-                f"dyndepth demo: error: --devices {args.devices} applies to the prefix-sums "
-                "training only; --task seed runs on one device",
+                f"dyndepth demo: error: {flags[0]} applies to the prefix-sums training "
+                "only; --task seed runs on one device",
                 file=sys.stderr,
             )
             return 2
         return _seed_demo(args)
+    if processes.given(args):
+        error = processes.check_flags(args)
+        if error:
+            print(f"dyndepth demo: error: {error}", file=sys.stderr)
+            return 2
+        try:
+            processes.initialize(args)  # before anything else touches JAX
+        except RuntimeError as e:  # cannot reach or start the coordinator; JAX already in use
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(
+                f"dyndepth demo: error: process {args.process_id} of {args.num_processes} could "
+                f"not join the run at --coordinator {args.coordinator}: {first}",
+                file=sys.stderr,
+            )
+            return 1
     from dyndepth._app import demo
 
     return demo.main_demo(args)
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from dyndepth._app import launch
+
+    return launch.main(args)
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -66,6 +93,7 @@ def _seed_demo(args: argparse.Namespace) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     from dyndepth._app import demo as demo_mod
+    from dyndepth._app import launch as launch_mod
 
     parser = Parser(prog="dyndepth", description="dyndepth demo and benchmarks")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +111,13 @@ def _parser() -> argparse.ArgumentParser:
     demo_mod.add_eval_arguments(ev)
     ev.set_defaults(run=_eval)
     sub.add_parser("bench", help="side-by-side benchmarks (dyndepth bench --help)", add_help=False)
+    la = sub.add_parser(
+        "launch",
+        help="run the demo as several processes on this machine, each with simulated CPU "
+        "devices (dyndepth launch --processes 2 --devices-per-process 2 -- demo --quick)",
+    )
+    launch_mod.add_arguments(la)
+    la.set_defaults(run=_launch)
     return parser
 
 
@@ -90,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run a command; returns the exit status: 0, 2 for a usage error (one line on stderr), 130
     after Ctrl-C (one line on stderr saying what was kept)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    prog = "dyndepth " + (argv[0] if argv and argv[0] in ("demo", "eval", "bench") else "")
+    commands = ("demo", "eval", "bench", "launch")
+    prog = "dyndepth " + (argv[0] if argv and argv[0] in commands else "")
     with SigintGuard(prog.strip()):
         try:
             if argv and argv[0] == "bench":  # the benchmark has its own parser and --help

@@ -20,13 +20,16 @@ import sys
 import time
 
 import jax
+import numpy as np
 
 import dyndepth
 
+from . import processes
 from .args import Interrupted, int_at_least, int_list, positive_float
 from .config import QUICK, Config, config_to_json, replace
 from .evaluate import accuracy_curve, adaptive_eval, adaptive_table, summarize, table
 from .plots import MISSING, have_matplotlib, plot_accuracy, plot_adaptive
+from .processes import from_primary, is_primary
 from .train import (
     BadCheckpoint,
     ConfigMismatch,
@@ -34,12 +37,17 @@ from .train import (
     device_table,
     load_checkpoint,
     make_mesh,
+    mesh_devices,
     train,
 )
 
 
 def _log(*args):
     print(*args, flush=True)
+
+
+def _quiet(*args):
+    pass
 
 
 def evaluate_run(params, cfg, label, *, strings, log, caps=None):
@@ -60,20 +68,50 @@ def evaluate_run(params, cfg, label, *, strings, log, caps=None):
     return curves
 
 
+def _where(devices):
+    """Where the training runs, for the run's first line."""
+    if devices == 1:
+        return f"devices: {jax.devices()}"
+    where = f"data-parallel over {devices} devices"
+    if jax.process_count() > 1:
+        where += f" of {jax.process_count()} processes"
+    return f"{where}: {mesh_devices(devices, jax.devices())}"
+
+
+def _check_resumable(runs, out_dir):
+    """Raise :class:`ConfigMismatch` when ``out_dir`` holds a checkpoint of another
+    configuration, before any training. On several processes, process 0 alone looks (the
+    others may not see the folder) and all of them stop."""
+    error = None
+    if is_primary():
+        try:
+            for label, c, _ in runs:
+                ckpt = os.path.join(out_dir, f"{label}.ckpt.npz")
+                if os.path.exists(ckpt):
+                    check_resumable(ckpt, c)
+        except ConfigMismatch as e:
+            error = e
+    if int(from_primary(np.int32(error is not None))):
+        raise error or ConfigMismatch(
+            f"--out {out_dir} on process 0 holds a checkpoint of another configuration (process "
+            "0 names the settings)"
+        )
+
+
 def run_demo(cfg, out_dir, *, control=False, devices=1, log=None):
-    log = log or _log
+    """The whole demo (see the module's docstring); returns the report that ``results.json``
+    holds. On several processes (:mod:`~dyndepth._app.processes`) every process runs it and
+    process 0 alone logs and writes ``out_dir``."""
+    primary = is_primary()
+    log = (log or _log) if primary else _quiet
     t_run = time.perf_counter()
-    os.makedirs(out_dir, exist_ok=True)
+    if primary:
+        os.makedirs(out_dir, exist_ok=True)
     make_mesh(devices, cfg.batch)  # a clear error before any work
     log(
         f"dyndepth demo: prefix sums mod 2, width {cfg.width}, dilations {cfg.dilations}, "
         f"training strings of {cfg.min_train_length}..{cfg.train_length} bits, "
-        f"M={cfg.max_iters}, batch {cfg.batch}, {cfg.steps} steps, "
-        + (
-            f"devices: {jax.devices()}"
-            if devices == 1
-            else f"data-parallel over {devices} devices: {jax.devices()[:devices]}"
-        )
+        f"M={cfg.max_iters}, batch {cfg.batch}, {cfg.steps} steps, {_where(devices)}"
     )
     if not have_matplotlib():
         log(MISSING)
@@ -81,10 +119,7 @@ def run_demo(cfg, out_dir, *, control=False, devices=1, log=None):
     if control:
         control_cfg = replace(cfg, alpha=0.0, per_sample=False)
         runs.append(("alpha=0", control_cfg, cfg.control_eval_batch))
-    for label, c, _ in runs:  # a config mismatch is an error before any training
-        ckpt = os.path.join(out_dir, f"{label}.ckpt.npz")
-        if os.path.exists(ckpt):
-            check_resumable(ckpt, c)
+    _check_resumable(runs, out_dir)  # a config mismatch is an error before any training
     curves, summaries, training, seconds = {}, {}, {}, {}
     trained = {}
     for label, c, _ in runs:
@@ -123,6 +158,7 @@ def run_demo(cfg, out_dir, *, control=False, devices=1, log=None):
     report = {
         "config": config_to_json(cfg),
         "devices": devices,
+        "processes": jax.process_count(),
         "training": training,
         "summary": summaries,
         "curves": {label: {str(k): v for k, v in cv.items()} for label, cv in curves.items()},
@@ -131,6 +167,8 @@ def run_demo(cfg, out_dir, *, control=False, devices=1, log=None):
         "jax": jax.__version__,
         "dyndepth": dyndepth.__version__,
     }
+    if not primary:
+        return report
     with open(os.path.join(out_dir, "results.json"), "w") as fh:
         json.dump(report, fh, indent=1)
     log("")
@@ -230,10 +268,12 @@ def add_arguments(p):
     p.add_argument(
         "--devices",
         type=int_at_least(1),
-        default=1,
-        help="data-parallel training over this many devices (the batch must split evenly; on "
-        "a CPU, simulate devices with XLA_FLAGS=--xla_force_host_platform_device_count=N)",
+        default=None,
+        help="data-parallel training over this many devices (default 1; with --coordinator: "
+        "all devices of all processes). The batch must split evenly; on a CPU, simulate "
+        "devices with XLA_FLAGS=--xla_force_host_platform_device_count=N",
     )
+    processes.add_arguments(p)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
         "--eval-lengths",
@@ -263,7 +303,7 @@ def config_from_args(a):
     """The run's :class:`~dyndepth._app.config.Config`: each flag given explicitly, else the
     ``--quick`` value (with ``--quick``), else the default. Without ``--batch`` the batch is
     rounded up to a multiple of ``--devices``, so that it splits evenly."""
-    devices = getattr(a, "devices", 1)
+    devices = getattr(a, "devices", None) or 1
     values = config_to_json(Config())
     if a.quick:
         values.update(QUICK)
@@ -279,14 +319,18 @@ def config_from_args(a):
 
 
 def main_demo(a):
+    """``dyndepth demo`` after its flags are parsed (and, for one process of a multi-process
+    run, after ``jax.distributed.initialize``)."""
+    if getattr(a, "devices", None) is None:  # all of them, on several processes
+        a.devices = jax.device_count() if jax.process_count() > 1 else 1
     cfg = config_from_args(a)
-    devices = getattr(a, "devices", 1)
+    devices = a.devices
     try:
         make_mesh(devices, cfg.batch)
     except ValueError as e:
         print(f"dyndepth demo: error: {e}", file=sys.stderr)
         return 2
-    if a.batch is None and devices > 1:
+    if a.batch is None and devices > 1 and is_primary():
         print(f"batch {cfg.batch} (the default, rounded up to a multiple of --devices {devices})")
     out = a.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     try:

@@ -17,7 +17,9 @@ schedules its own shard, the loss is the mean over the *global* batch (a ``psum`
 per-device sums divided by the batch size), so the gradients of the replicated parameters come
 out summed over the devices, and the AdamW update runs on the replicated parameters. The data,
 ``n`` and ``k`` are drawn from the replicated step key before ``shard_map``, so a run gives the
-same numbers on any number of devices (up to float summation order).
+same numbers on any number of devices (up to float summation order). On several processes
+(``--coordinator``, :mod:`~dyndepth._app.processes`) the mesh spans all their devices and the
+same step runs unchanged.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from .model import (
     think,
     think_batched,
 )
+from .processes import from_primary, is_primary, on_any_process
 
 # ----------------------------------------------------------------------------- optimiser
 
@@ -115,22 +118,16 @@ def training_batch(key, cfg):
 
 
 def make_mesh(devices, batch):
-    """A 1-D mesh ``("data",)`` over the first ``devices`` devices, or ``None`` for one device.
+    """A 1-D mesh ``("data",)`` over ``devices`` devices (:func:`mesh_devices`), or ``None`` for
+    one device.
 
     Raises ``ValueError`` naming ``--devices`` when there are fewer devices than asked for or
     when ``batch`` does not split evenly over them."""
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ValueError(f"--devices must be an integer >= 1, got {devices!r}")
-    if devices == 1:
+    if devices == 1 and jax.process_count() == 1:
         return None
-    have = jax.device_count()
-    if have < devices:
-        raise ValueError(
-            f"--devices {devices}: only {have} {jax.default_backend()} device(s) are available. "
-            f"To simulate {devices} devices on a CPU, start the command with "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={devices} (the flag is read when "
-            "JAX starts, so it must be set in the environment beforehand)"
-        )
+    chosen = mesh_devices(devices, jax.devices())
     if batch % devices:
         lo, hi = batch - batch % devices, batch - batch % devices + devices
         choices = f"{lo} or {hi}" if lo > 0 else f"{hi}"
@@ -138,16 +135,51 @@ def make_mesh(devices, batch):
             f"--devices {devices}: --batch {batch} does not split evenly over {devices} "
             f"devices; use a batch that is a multiple of {devices} (e.g. --batch {choices})"
         )
-    return jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+    return jax.make_mesh((devices,), ("data",), devices=chosen)
+
+
+def mesh_devices(count, devices):
+    """The ``count`` devices of the mesh, from ``devices`` (all devices of all processes): the
+    first ``count``; on several processes the first ``count / P`` of each of the ``P``
+    processes, so that every process holds as many rows of the batch (a process without a
+    device in the mesh could not take part in the step). Raises ``ValueError`` naming
+    ``--devices``."""
+    per_process = {}
+    for d in devices:
+        per_process.setdefault(d.process_index, []).append(d)
+    processes, have = len(per_process), min(len(v) for v in per_process.values())
+    platform = devices[0].platform
+    if processes == 1 and have < count:
+        raise ValueError(
+            f"--devices {count}: only {have} {platform} device(s) are available. "
+            f"To simulate {count} devices on a CPU, start the command with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={count} (the flag is read when "
+            "JAX starts, so it must be set in the environment beforehand)"
+        )
+    if count % processes:
+        raise ValueError(
+            f"--devices {count}: the mesh must hold as many devices of each of the {processes} "
+            f"processes; use a multiple of {processes}"
+        )
+    per = count // processes
+    if per > have:
+        raise ValueError(
+            f"--devices {count}: {processes} processes with {have} {platform} device(s) each "
+            f"hold {processes * have}. To simulate {per} devices per process on a CPU, start "
+            f"each process with XLA_FLAGS=--xla_force_host_platform_device_count={per} "
+            f"(dyndepth launch --devices-per-process {per} does so)"
+        )
+    return [d for p in sorted(per_process) for d in per_process[p][:per]]
 
 
 def make_loss_and_grad(cfg, devices=1):
     """``(params, key) -> (loss, grads, mean(n + k), executed, useful)`` for the training batch
     and depths drawn from ``key``: the traceable core of :func:`make_train_step`. ``executed``
-    and ``useful`` (int32, one entry per device) are the forward sample-iterations of the
-    step's loops on each device (see :func:`~dyndepth._app.model.think_batched`; with a
-    per-batch depth every sample runs exactly ``n + k`` iterations, so both are
-    ``samples_per_device * (n + k)``, counted, not measured).
+    and ``useful`` (int32, one entry per device, replicated on every device) are the forward
+    sample-iterations of the step's loops on each device (see
+    :func:`~dyndepth._app.model.think_batched`; with a per-batch depth every sample runs
+    exactly ``n + k`` iterations, so both are ``samples_per_device * (n + k)``, counted, not
+    measured).
 
     ``devices > 1``: data-parallel over :func:`make_mesh`. Key discipline: the step key is
     replicated, and the global batch, the per-batch ``(n, k)`` (identical on every device, so
@@ -158,7 +190,12 @@ def make_loss_and_grad(cfg, devices=1):
     the gradients of the replicated parameters come out of ``shard_map`` summed over devices
     (dyndepth adds the per-device gradient of a replicated parameter with one ``psum`` after
     its backward loop) and equal the one-device gradient up to float summation order. The
-    optimizer update then runs on the replicated parameters and optimizer state."""
+    optimizer update then runs on the replicated parameters and optimizer state.
+
+    On several processes (``jax.distributed``) the mesh spans their devices and nothing else
+    changes: every process runs this program, draws the same global batch and depths from the
+    same replicated key and keeps its devices' rows, so no data crosses between processes and
+    the numbers are those of one process."""
     M = cfg.max_iters
     mesh = make_mesh(devices, cfg.batch)
     per_sample = cfg.per_sample and cfg.alpha != 0.0  # alpha = 0 always runs (0, M)
@@ -198,13 +235,19 @@ def make_loss_and_grad(cfg, devices=1):
             n, k = jnp.int32(0), jnp.int32(M)
         else:
             n, k = dnn.sample_nk(kn, (cfg.batch,) if per_sample else (), max_iters=M)
+        depth = jnp.mean(n + k)
         if mesh is not None:  # each device gets its rows of the global batch
             rows = NamedSharding(mesh, P("data"))
             x, t, m = (jax.reshard(a, rows) for a in (x, t, m))
             if per_sample:
                 n, k = jax.reshard(n, rows), jax.reshard(k, rows)
         (loss, (executed, useful)), grads = grad_fn(params, x, t, m, n, k)
-        return loss, grads, jnp.mean(n + k), executed, useful
+        if mesh is not None:
+            # Replicated (a gather of one number per device), so that every process can read
+            # them: a process cannot fetch the entries of another process's devices.
+            everywhere = NamedSharding(mesh, P())
+            executed, useful = jax.reshard(executed, everywhere), jax.reshard(useful, everywhere)
+        return loss, grads, depth, executed, useful
 
     return loss_and_grad
 
@@ -330,6 +373,35 @@ def _log(*args):
     print(*args, flush=True)
 
 
+def _quiet(*args):
+    pass
+
+
+def _start_state(cfg, ckpt, label, log):
+    """``(params, opt, step, converged_at)``: from the checkpoint ``ckpt`` when it exists (None:
+    do not resume), else a fresh start. On several processes, process 0 alone reads the
+    checkpoint and the others take its state, so that all resume at the same step even when
+    they cannot see the file."""
+    params = init_params(jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 1), cfg.width)
+    opt, step, converged_at = adamw_init(params), 0, -1
+    if ckpt is not None and is_primary() and os.path.exists(ckpt):
+        check_resumable(ckpt, cfg)
+        params, opt, step, _ = load_checkpoint(ckpt)
+        converged_at = checkpoint_converged_at(ckpt)
+        log(f"[{label}] resuming from {ckpt} at step {step}")
+    if jax.process_count() > 1:
+        state = (params, opt, np.int32(step), np.int32(converged_at))
+        params, opt, step, converged_at = from_primary(state)
+    return params, opt, int(step), int(converged_at)
+
+
+def _check_interrupt(step):
+    """Whether to look for a Ctrl-C before ``step``: always on one process; on several, every
+    10 steps, as the processes must agree (a collective of about 3 ms on two CPU processes, a
+    tenth of a ``--quick`` step there)."""
+    return jax.process_count() == 1 or step % 10 == 0
+
+
 def _bar(total, desc):
     try:
         from tqdm import tqdm
@@ -351,26 +423,27 @@ def train(cfg, out_dir, *, label="alpha=1", resume=True, stop_at=None, devices=1
     steps done and raises :class:`~dyndepth._app.args.Interrupted`.
 
     ``figures["per_device"]`` holds, per device, the forward sample-iterations of the steps run
-    in this call (see :func:`per_device_work`)."""
-    log = log or _log
-    os.makedirs(out_dir, exist_ok=True)
+    in this call (see :func:`per_device_work`).
+
+    On several processes (:mod:`~dyndepth._app.processes`) every process calls this; process 0
+    alone logs, shows the progress bar and reads and writes the checkpoint."""
+    primary = is_primary()
+    log = (log or _log) if primary else _quiet
+    if primary:
+        os.makedirs(out_dir, exist_ok=True)
     ckpt = os.path.join(out_dir, f"{label}.ckpt.npz")
     key = jax.random.PRNGKey(cfg.seed)
     step_fn = make_train_step(cfg, devices)  # validates ``devices`` before any work
     mesh = make_mesh(devices, cfg.batch)
     validation = make_validation(cfg)
-    converged_at = -1
-    if resume and os.path.exists(ckpt):
-        check_resumable(ckpt, cfg)
-        params, opt, start, _ = load_checkpoint(ckpt)
-        converged_at = checkpoint_converged_at(ckpt)
-        log(f"[{label}] resuming from {ckpt} at step {start}")
-    else:
-        params = init_params(jax.random.fold_in(key, 1), cfg.width)
-        opt = adamw_init(params)
-        start = 0
+    params, opt, start, converged_at = _start_state(cfg, ckpt if resume else None, label, log)
     params, opt = replicate((params, opt), mesh)
-    bar = _bar(cfg.steps, label)
+
+    def save(step):
+        if primary:
+            save_checkpoint(ckpt, params, opt, step, cfg, converged_at)
+
+    bar = _bar(cfg.steps, label) if primary else None
     if bar is not None:
         bar.update(start)
     times, depths, losses = [], [], []
@@ -383,8 +456,9 @@ def train(cfg, out_dir, *, label="alpha=1", resume=True, stop_at=None, devices=1
         end = min(end, converged_at + cfg.cooldown)
     step = start
     while step < end:
-        if interrupt_requested():  # Ctrl-C: keep the work done, stop cleanly
-            save_checkpoint(ckpt, params, opt, step, cfg, converged_at)
+        if _check_interrupt(step) and on_any_process(interrupt_requested()):
+            # Ctrl-C (on any process: all stop at this step): keep the work done, stop cleanly
+            save(step)
             if bar is not None:
                 bar.close()
             raise Interrupted(
@@ -428,7 +502,7 @@ def train(cfg, out_dir, *, label="alpha=1", resume=True, stop_at=None, devices=1
                     log(message)
         step += 1
         if step % every == 0 or step in (end, cfg.steps):
-            save_checkpoint(ckpt, params, opt, step, cfg, converged_at)
+            save(step)
     if bar is not None:
         bar.close()
     if converged_at < 0 and step == cfg.steps:

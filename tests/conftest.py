@@ -5,8 +5,18 @@ from __future__ import annotations
 import os
 import sys
 
-import jax
-import pytest
+# ``make test`` compiles with XLA's CPU backend at optimization level 0 (LLVM's optimizations
+# off; XLA's own passes, which decide what the tests inspect, still run): the tests check values
+# and compiled programs, not speed, and most of their time is compiling. Set before JAX starts
+# its backend; child processes inherit it. ``make test-full`` compiles as users do.
+FULL = os.environ.get("DYNDEPTH_FULL") == "1"
+if not FULL:
+    os.environ["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]
+    ).strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # Strict promotion at import, before any test module builds an array: Python scalars mixed with
 # arrays stay fine (weak types), but float32 mixed with int32 arrays is an error, so a loop that
@@ -31,7 +41,6 @@ def _strict_float32_session():
 # ``make test`` skips the tests marked ``slow`` (a second, larger run of what faster tests
 # already check: end-to-end training runs, larger workloads, more property examples) to stay
 # within about ten minutes on two cores; ``make test-full`` (``DYNDEPTH_FULL=1``) runs them.
-FULL = os.environ.get("DYNDEPTH_FULL") == "1"
 
 
 def pytest_configure(config):

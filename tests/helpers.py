@@ -8,6 +8,7 @@ can fail.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -15,6 +16,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+
+# ----------------------------------------------------------------------------- subprocesses
+
+
+def simulated_devices_env(count: int, **extra: str) -> dict[str, str]:
+    """The environment for a child process with ``count`` simulated CPU devices: this process's,
+    its ``XLA_FLAGS`` kept (tests/conftest.py sets the compiler's level there)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]  # fmt: skip
+    flags.append(f"--xla_force_host_platform_device_count={count}")
+    return dict(os.environ, XLA_FLAGS=" ".join(flags), **extra)
+
 
 # ----------------------------------------------------------------------------- comparison
 

@@ -1,5 +1,5 @@
 """Plain ``jit`` on meshes as users build them: ``jax.sharding.Mesh`` (``Auto`` axes), 1-D and
-2-D, data-parallel and tensor-parallel weights.
+2-D, data-parallel and tensor-parallel weights, and ``jax.make_mesh`` (``Explicit`` axes).
 
 Every batched loop is a partitioned call that runs on each device's shard of the batch, so the
 compiled program gathers no carries, permutes nothing and puts no collective inside a loop; the
@@ -16,7 +16,7 @@ from test_shard import run_on_eight_devices
 
 SCRIPT = textwrap.dedent(
     """
-    import json, os, re
+    import contextlib, json, os, re
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import dyndepth as dd
@@ -29,8 +29,16 @@ SCRIPT = textwrap.dedent(
     ks = jax.random.split(jax.random.PRNGKey(3), B)
     seq = jax.random.normal(jax.random.PRNGKey(4), (B, T, D))
 
+    RESHARD = False
+
+    def mm(c, W):
+        # c @ W; on an Explicit mesh with W split over `model`, resharded like c: a loop's
+        # carry keeps its type (as lax.fori_loop requires too)
+        h = c @ W
+        return jax.sharding.reshard(h, jax.typeof(c).sharding.spec) if RESHARD else h
+
     def step(W):
-        return lambda c, k: c + jnp.tanh(c @ W) * jax.random.bernoulli(k, 0.9, c.shape)
+        return lambda c, k: c + jnp.tanh(mm(c, W)) * jax.random.bernoulli(k, 0.9, c.shape)
 
     def vmap_repeat(W, xs, ds, ks):
         one = lambda x, d, k: dd.repeat(step(W), x, d, max_depth=T, key=k)
@@ -45,10 +53,11 @@ SCRIPT = textwrap.dedent(
 
     def vmap_scan(W, xs, ds, ks):
         def one(x, s, d):
-            f = lambda c, xi: (jnp.tanh(c @ W + xi), jnp.sum(c))
+            f = lambda c, xi: (jnp.tanh(mm(c, W) + xi), jnp.sum(c))
             c, ys = dd.scan(f, x, s, depth=d)
             return c + jnp.sum(ys)
-        return jax.vmap(one)(xs, seq, ds)
+        # per-sample inputs placed like the batch (vmap on an Explicit mesh requires it)
+        return jax.vmap(one)(xs, placed_seq, ds)
 
     def vmap_while(W, xs, ds, ks):
         def one(x, k):
@@ -56,14 +65,31 @@ SCRIPT = textwrap.dedent(
         return jax.vmap(one)(xs * 0.3, ks)
 
     def recurrent_depth(W, xs, ds, ks):
-        core = lambda s, x, k: jnp.tanh(s @ W + x) * jax.random.bernoulli(k, 0.9, s.shape)
+        core = lambda s, x, k: jnp.tanh(mm(s, W) + x) * jax.random.bernoulli(k, 0.9, s.shape)
         one = lambda x, d, k: dd.nn.recurrent_depth(core, x, x, n=d // 2, k=d - d // 2,
                                                     max_n=T, max_k=T, key=k)
         return jax.vmap(one)(xs, ds, ks)
 
+    def nested_vmap(W, xs, ds, ks):  # a 2-D batch whose outer axis is the sharded one
+        one = lambda x, d, k: dd.repeat(step(W), x, d, max_depth=T, key=k)
+        split = lambda a: a.reshape(8, B // 8, *a.shape[1:])
+        return jax.vmap(jax.vmap(one))(split(xs), split(ds), split(ks)).reshape(B, D)
+
+    def layer_drop(W, xs, ds, ks):
+        stack = jnp.stack([W, W * W, -W, 0.5 * W])
+        f = lambda p, h: h + jnp.tanh(mm(h, p))
+        return jax.vmap(lambda x, k: dd.nn.layer_drop(f, stack, x, k, 0.5))(xs, ks)
+
+    def halting(W, xs, ds, ks):
+        def f(s):
+            s = jnp.tanh(mm(s, W))
+            return s, jax.nn.sigmoid(jnp.sum(s)), s
+        return jax.vmap(lambda x: dd.nn.halting(f, x, max_steps=T).state)(xs)
+
     LOOPS = dict(vmap_repeat=vmap_repeat, vmap_repeat_checkpoints=vmap_repeat_checkpoints,
                  repeat_batched=repeat_batched, vmap_scan=vmap_scan, vmap_while=vmap_while,
-                 recurrent_depth=recurrent_depth)
+                 recurrent_depth=recurrent_depth, nested_vmap=nested_vmap,
+                 layer_drop=layer_drop, halting=halting)
 
     def loss_of(run):
         return lambda W, xs, ds, ks: jnp.sum(run(W, xs, ds, ks) ** 2)
@@ -105,53 +131,114 @@ SCRIPT = textwrap.dedent(
     control = jax.jit(lax_while).lower(put(xs, "data")).compile().as_text()
     out = {"control": dict(in_loops=collectives_in_loops(control))}
 
+    placed_seq = seq
     ref = {name: jax.jit(jax.value_and_grad(loss_of(run)))(W, xs, ds, ks)
            for name, run in LOOPS.items()}
-    for layout in ("1d", "2d-ddp", "2d-tp"):
-        shape, names = ((8,), ("data",)) if layout == "1d" else ((4, 2), ("data", "model"))
-        mesh = Mesh(np.array(jax.devices()).reshape(shape), names)
+    # Auto axes (jax.sharding.Mesh's default) and Explicit axes (jax.make_mesh's, under
+    # jax.set_mesh), 1-D and 2-D, with data-parallel and tensor-parallel weights.
+    LAYOUTS = ("1d", "2d-ddp", "2d-tp", "2d-explicit", "2d-explicit-tp")
+    for j, layout in enumerate(LAYOUTS):
+        explicit = "explicit" in layout
+        if explicit:
+            mesh = jax.make_mesh((4, 2), ("data", "model"),
+                                 axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+        else:
+            shape, names = ((8,), ("data",)) if layout == "1d" else ((4, 2), ("data", "model"))
+            mesh = Mesh(np.array(jax.devices()).reshape(shape), names)
         put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
-        w_spec = (None, "model") if layout == "2d-tp" else ()
+        w_spec = (None, "model") if layout.endswith("tp") else ()
+        RESHARD = layout == "2d-explicit-tp"
         args = (put(W, *w_spec), put(xs, "data"), put(ds, "data"), put(ks, "data"))
+        placed_seq = put(seq, "data")
         for i, (name, run) in enumerate(LOOPS.items()):
-            if layout != "1d" and not FULL and i % 2 != (layout == "2d-tp"):
-                continue  # make test: each loop on one of the 2-D layouts
-            g = jax.jit(jax.value_and_grad(loss_of(run))).lower(*args).compile()
-            v, gw = g(*args)
+            if not FULL and i % len(LAYOUTS) != j:
+                continue  # make test: each loop on one layout
+            with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():
+                g = jax.jit(jax.value_and_grad(loss_of(run))).lower(*args).compile()
+                v, gw = jax.tree.map(np.asarray, g(*args))
             hlo = g.as_text()
             gathers = [ln for ln in hlo.splitlines() if "all-gather(" in ln]
             out[f"{layout} {name}"] = dict(
                 value_err=float(abs(v - ref[name][0]) / abs(ref[name][0])),
                 grad_err=float(jnp.max(jnp.abs(gw - ref[name][1])) /
                                jnp.max(jnp.abs(ref[name][1]))),
-                gathers_not_of_W=sum(f"f32[{D},{D}]" not in ln for ln in gathers),
+                # W, or a stack of it
+                gathers_not_of_W=sum(f"{D},{D}]" not in ln for ln in gathers),
                 gathers=len(gathers),
                 permutes=hlo.count("collective-permute("),
                 in_loops=collectives_in_loops(hlo),
             )
+    # An Equinox model as its users shard it: eqx.filter_shard and eqx.filter_jit, rows that
+    # eqx.nn.Linear and LayerNorm are vmapped over inside the step, a 2-D Auto mesh.
+    import equinox as eqx
+
+    class Block(eqx.Module):
+        lin: eqx.nn.Linear
+        norm: eqx.nn.LayerNorm
+
+        def __call__(self, h, k):
+            keep = jax.random.bernoulli(k, 0.9, h.shape)
+            new = jnp.tanh(jax.vmap(self.lin)(jax.vmap(self.norm)(h)))
+            return h + jnp.where(keep, new, 0.0)
+
+    def eqx_loss(model, rows, ds, ks):
+        one = lambda x, d, k: dd.repeat(model, x, d, max_depth=T, key=k)
+        return jnp.sum(jax.vmap(one)(rows, ds, ks) ** 2)
+
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+
+    @eqx.filter_jit
+    def eqx_sharded(model, rows, ds, ks):
+        model = eqx.filter_shard(model, rep)
+        rows, ds, ks = eqx.filter_shard((rows, ds, ks), split)
+        return eqx.filter_value_and_grad(eqx_loss)(model, rows, ds, ks)
+
+    model = Block(eqx.nn.Linear(D, D, key=jax.random.PRNGKey(5)), eqx.nn.LayerNorm(D))
+    rows = seq[:, :3]
+    v0, g0 = eqx.filter_jit(eqx.filter_value_and_grad(eqx_loss))(model, rows, ds, ks)
+    placed = eqx.filter_shard((model, rows, ds, ks), (rep, split, split, split))
+    v, g = eqx_sharded(*placed)
+    hlo = eqx_sharded.lower(*placed).compile().compiled.as_text()
+    gw, gw0 = g.lin.weight, g0.lin.weight
+    out["equinox"] = dict(
+        value_err=float(abs(v - v0) / abs(v0)),
+        grad_err=float(jnp.max(jnp.abs(gw - gw0)) / jnp.max(jnp.abs(gw0))),
+        gathers_not_of_W=hlo.count("all-gather("), gathers=hlo.count("all-gather("),
+        permutes=hlo.count("collective-permute("), in_loops=collectives_in_loops(hlo),
+    )
     print("RESULT" + json.dumps(out))
     """
 )
 
 
 LOOPS = ("vmap_repeat", "vmap_repeat_checkpoints", "repeat_batched", "vmap_scan", "vmap_while",
-         "recurrent_depth")  # fmt: skip
+         "recurrent_depth", "nested_vmap", "layer_drop", "halting")  # fmt: skip
 
 
 def test_auto_mesh_per_device_loops():
-    """One test (one 8-device run, not one per pytest-xdist worker): every loop on the 1-D
-    mesh, data-parallel and tensor-parallel weights on the 2-D mesh (all of them with
-    DYNDEPTH_FULL=1, half of them each in `make test`), and the control."""
+    """One test (one 8-device run, not one per pytest-xdist worker): every loop and ``nn``
+    layer on the 1-D mesh and on the 2-D mesh with data-parallel and tensor-parallel weights
+    (``Auto`` axes), and on the 2-D ``Explicit`` mesh, data-parallel: each on one of these
+    layouts in `make test`, on all of them with DYNDEPTH_FULL=1; and the control."""
     results = run_on_eight_devices(SCRIPT)
     # the check of the compiled programs finds a collective inside a loop when there is one
     assert results.pop("control")["in_loops"] > 0
-    assert {k.split()[0] for k in results} == {"1d", "2d-ddp", "2d-tp"}
-    assert all(f"1d {loop}" in results for loop in LOOPS)
+    assert results["equinox"]  # eqx.filter_shard + eqx.filter_jit, checked below as the rest
+    loops = {k: r for k, r in results.items() if k != "equinox"}
+    assert {k.split()[0] for k in loops} == {
+        "1d",
+        "2d-ddp",
+        "2d-tp",
+        "2d-explicit",
+        "2d-explicit-tp",
+    }
+    assert {k.split()[1] for k in loops} == set(LOOPS)
     for name, r in results.items():
         layout = name.split()[0]
         assert r["value_err"] < 1e-5 and r["grad_err"] < 1e-5, (name, r)
         assert r["permutes"] == 0 and r["in_loops"] == 0, (name, r)
         # Only a tensor-parallel weight is gathered (over `model`, once, before the loops).
         assert r["gathers_not_of_W"] == 0, (name, r)
-        if layout != "2d-tp":
+        if not layout.endswith("tp"):
             assert r["gathers"] == 0, (name, r)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tree_allclose
+from helpers import simulated_devices_env, tree_allclose
 
 from dyndepth._app import cli as _cli
 from dyndepth._app import demo, launch, model, train
@@ -220,18 +220,19 @@ def test_devices_flag_rejects_bad_values(tmp_path, capsys):
 
 MULTI_DEVICE = textwrap.dedent(
     """
-    import json
+    import json, os
     import jax, jax.numpy as jnp, numpy as np
     from dyndepth._app import model, train
     from dyndepth._app.config import QUICK, Config, replace
 
     assert jax.device_count() == 8
-    out = {}
+    COUNTS = (1, 2, 8) if os.environ.get("DYNDEPTH_FULL") == "1" else (1, 8)
+    out = {"counts": COUNTS}
     for per_sample in (False, True):
         cfg = replace(Config(), **QUICK)
         cfg = replace(cfg, train_length=8, max_iters=4, batch=32, per_sample=per_sample)
         params = model.init_params(jax.random.PRNGKey(0), cfg.width)
-        for nd in (1, 2, 8):
+        for nd in COUNTS:
             fn = jax.jit(train.make_loss_and_grad(cfg, nd))
             p = train.replicate(params, train.make_mesh(nd, cfg.batch))
             loss, grads, nk, executed, useful = fn(p, jax.random.PRNGKey(1))
@@ -251,11 +252,11 @@ MULTI_DEVICE = textwrap.dedent(
 
 
 def _eight_devices():
-    return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    return simulated_devices_env(8)
 
 
 def data_parallel_steps():
-    """One training step on 1, 2 and 8 simulated devices, per-batch and per-sample depths."""
+    """One training step on 1 and 8 (and 2) simulated devices, per-batch and per-sample depths."""
     proc = subprocess.run(
         [sys.executable, "-c", MULTI_DEVICE],
         env=_eight_devices(),
@@ -269,11 +270,11 @@ def data_parallel_steps():
 
 
 def _check_data_parallel(res, per_sample):
-    """The step's loss and gradients on 2 and 8 devices agree with one device to 1e-5
+    """The step's loss and gradients on 8 (and 2) devices agree with one device to 1e-5
     relative: the data and depths do not depend on the device count."""
     ref = res[f"{per_sample}-1"]
     ref_grads = [np.asarray(g) for g in ref["grads"]]
-    for nd in (2, 8):
+    for nd in res["counts"][1:]:
         rec = res[f"{per_sample}-{nd}"]
         assert abs(rec["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (per_sample, nd)
         for g, r in zip(rec["grads"], ref_grads, strict=True):
@@ -289,8 +290,9 @@ def _check_data_parallel(res, per_sample):
 
 def test_data_parallel_step_matches_one_device():
     """Per-sample and per-batch depths (one test: one 8-device run per session, not one per
-    pytest-xdist worker)."""
+    pytest-xdist worker); 8 devices against one, and 2 with DYNDEPTH_FULL=1."""
     res = data_parallel_steps()
+    assert res["counts"][0] == 1 and 8 in res["counts"]
     _check_data_parallel(res, "True")
     _check_data_parallel(res, "False")
     assert "--devices 8" in res["batch_error"]

@@ -17,6 +17,7 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import numpy as np
+from helpers import simulated_devices_env
 
 import dyndepth as dd
 
@@ -92,8 +93,7 @@ def _free_port() -> int:
 
 def test_two_processes_match_one():
     address = f"127.0.0.1:{_free_port()}"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu")  # fmt: skip
+    env = simulated_devices_env(2, JAX_PLATFORMS="cpu")
     here = os.path.dirname(os.path.abspath(__file__))
     procs = [
         subprocess.Popen(

@@ -5,10 +5,11 @@ starts, so it cannot be changed inside the test process).
 """
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
+
+from helpers import simulated_devices_env
 
 SCRIPT = textwrap.dedent(
     """
@@ -68,7 +69,7 @@ SCRIPT = textwrap.dedent(
 
 def run_on_eight_devices(script):
     """Run ``script`` in a fresh process with 8 simulated CPU devices; its ``RESULT`` line."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = simulated_devices_env(8)
     proc = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
     )

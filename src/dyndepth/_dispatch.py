@@ -5,14 +5,15 @@ added, and which operands each level batches). From it and the loop's strategy, 
 picks the kernel:
 
 * no batch: the unbatched loop (:mod:`dyndepth._single`), with stored residuals when planned;
-* several levels: ``jax.vmap`` over the outer ones of the kernel for the innermost;
+* several levels: ``jax.vmap`` over the outer ones of the kernel for the innermost, once per
+  device on its shard of the outermost level when that level is sharded;
 * the innermost level (the *rows*): when the steps differ per row, ``"auto"`` runs the
   per-sample scheduler (:mod:`dyndepth._schedule`) and ``"checkpointed"``/``"while"`` the
   lockstep batch (:mod:`dyndepth._batched`); rows that share their steps run in lockstep; a
   backward pass whose residuals are shared by the rows (only the cotangents batched, as in
   ``jacrev``) is the unbatched sweep mapped over the cotangents;
-* under plain ``jit`` with the rows sharded over ``Explicit`` mesh axes, one kernel per device
-  (:func:`dyndepth._per_device.per_device`).
+* under plain ``jit`` with the rows sharded over a mesh (the outermost level's, with several
+  levels), one kernel per device (:func:`dyndepth._per_device.per_device`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import jax
 
 from . import _batched, _schedule, _single, _vma
 from ._leaves import broadcast_rows, merge, take
-from ._per_device import Across, per_device
+from ._per_device import Across, partitioning, per_device
 from ._residuals import ResidualPlan
 from ._step import Loop, Perturbed
 
@@ -59,12 +60,38 @@ def _schedulable(loop: Loop, rows: Any) -> bool:
     return loop.strategy == "auto" and isinstance(rows, int) and rows > 1
 
 
-def _outer_vmap(fn, batch: Batch, operands, out_axes, finish):
+def _outer_vmap(fn, batch: Batch, operands, out_axes, finish, shared):
     """``fn`` mapped over the outermost level with ``jax.vmap``; ``finish`` turns the mapped
-    outputs into the final ones."""
+    outputs into the final ones.
+
+    When that level is sharded over a mesh, the map runs once per device on its shard (a loop
+    inside ``vmap`` stops when its last element does, so a map over every device's elements
+    would put a collective over the batch axis inside the loop). ``shared`` maps the position of
+    each output not batched over the level to ``merge(value, across)``, which combines it over
+    the devices."""
     level = batch[-1]
-    mapped = jax.vmap(fn, in_axes=_axes(level.batched), out_axes=out_axes, axis_size=level.size)
-    return finish(list(mapped(*operands)))
+    flags = list(level.batched)
+
+    def run(*ops):
+        # this device's share of the level (all of it on one device)
+        size = next((op.shape[0] for op, b in zip(ops, flags, strict=True) if b), level.size)
+        mapped = jax.vmap(fn, in_axes=_axes(flags), out_axes=out_axes, axis_size=size)
+        with partitioning(False):  # the inner levels' kernels already run on this device
+            return finish(list(mapped(*ops)))
+
+    def split(*ops):  # (outputs batched over the level, the shared ones)
+        out = run(*ops)
+        return [v for i, v in enumerate(out) if i not in shared], [out[i] for i in shared]
+
+    def combine(values, across):
+        return [merge_one(v, across) for merge_one, v in zip(shared.values(), values, strict=True)]
+
+    probe = [op for op, b in zip(operands, flags, strict=True) if b]
+    kept, merged = per_device(split, tuple(operands), tuple(flags), probe, (combine,))
+    out = list(kept)
+    for i, v in sorted(zip(shared, merged, strict=True), key=lambda p: p[0]):
+        out.insert(i, v)
+    return out
 
 
 # ----------------------------------------------------------------------------- forward
@@ -90,9 +117,15 @@ def forward(loop: Loop, batch: Batch, store: bool, plan: ResidualPlan | None,
         inner = lambda *ops: forward(loop, batch[:-1], store, plan, pert, list(ops))  # noqa: E731
         # Every output gains the outer axis but the stored-residual buffers (unfilled, shared).
         out_axes = [0] * (nc + len(loop.y_avals) + 2)
+        stats = nc + len(loop.y_avals) + 1
+        shared = {stats: _batched.merge_stats}  # the inner loops' stats, combined
         if store:
-            out_axes += [0] * (nc + 1) + [None] * (0 if plan is None else len(plan.stored))
-        return _outer_vmap(inner, batch, operands, out_axes, partial(_combine_stats, nc, loop))
+            n_ext = 0 if plan is None else len(plan.stored)
+            out_axes += [0] * (nc + 1) + [None] * n_ext
+            shared.update({len(out_axes) - n_ext + j: _same for j in range(n_ext)})
+        return _outer_vmap(
+            inner, batch, operands, out_axes, partial(_combine_stats, nc, loop), shared
+        )
     return _forward_rows(loop, batch[0], store, plan, consts, cconsts, init, xs, n, kd)
 
 
@@ -102,6 +135,15 @@ def _flat_forward(carry, ys, steps, stats, res) -> list:
         buf, stride, ext = res
         out += [*buf, stride, *ext]
     return out
+
+
+def _same(value, across):
+    """A value every device holds alike (an unfilled buffer)."""
+    return value
+
+
+def _summed(value, across):
+    return across.sum(value)
 
 
 def _combine_stats(nc: int, loop: Loop, out: list) -> list:
@@ -197,14 +239,16 @@ def backward(loop: Loop, batch: Batch, pert: Perturbed, plan: ResidualPlan | Non
         level = batch[-1]
         kflags = take(level.batched[:nk], pert.consts)
 
+        summed = [level.reduce and not b for b in kflags]
+
         def reduce(out):
             # A const shared by this level's elements gets their cotangents summed when the
             # level was batched before differentiation.
-            k = [g.sum(0) if (level.reduce and not b) else g
-                 for g, b in zip(out[: len(kflags)], kflags, strict=True)]  # fmt: skip
+            k = [g.sum(0) if s else g for g, s in zip(out[: len(kflags)], summed, strict=True)]
             return k + out[len(kflags) :]
 
-        return _outer_vmap(inner, batch, operands, 0, reduce)
+        shared = {i: _summed for i, s in enumerate(summed) if s}
+        return _outer_vmap(inner, batch, operands, 0, reduce, shared)
     return _backward_rows(loop, batch[0], pert, plan, use_ext, consts, xs, kd, steps, buf, stride,
                           ext, ct_c, ct_y, operands)  # fmt: skip
 

@@ -275,17 +275,32 @@ def eval_jaxpr(jaxpr: Any, consts: list, *args: Any) -> list:
 
 
 def _without_other_mesh(params: dict, mesh: Any) -> dict:
-    """``params`` with a sharding on another mesh dropped (None: inferred from the inputs). A
-    step traced under ``jit`` with ``Explicit`` mesh axes records output shardings on that mesh
-    (``vmap`` over rows broadcasts with one); inside the per-device ``shard_map`` the same
-    operation runs on a device's rows, where that mesh's shardings do not apply."""
+    """``params`` with a sharding on another mesh made one on ``mesh``. A step traced under
+    ``jit`` with ``Explicit`` mesh axes records shardings on that mesh (``vmap`` over rows
+    broadcasts with one; ``jax.sharding.reshard`` names its target); inside the per-device
+    ``shard_map`` the same operation runs on a device's rows, where the axes that split the
+    batch are manual: an output sharding is dropped (None: inferred from the inputs), a
+    reshard's target keeps its other axes (a tensor-parallel ``model`` axis)."""
     out = dict(params)
-    for name in ("sharding", "out_sharding"):
-        value = params.get(name)
+    for name, value in params.items():
         other = getattr(value, "mesh", None)
-        if other is not None and getattr(other, "abstract_mesh", other) != mesh:
+        if other is None or getattr(other, "abstract_mesh", other) == mesh:
+            continue
+        if name in ("sharding", "out_sharding"):
             out[name] = None
+        elif isinstance(value, jax.sharding.NamedSharding):
+            manual = set(manual_axes())
+            out[name] = jax.sharding.NamedSharding(mesh, _spec_without(value.spec, manual))
     return out
+
+
+def _spec_without(spec: Any, axes: set[str]) -> Any:
+    def keep(entry):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        left = tuple(n for n in names if n is not None and n not in axes)
+        return None if not left else (left if isinstance(entry, tuple) else left[0])
+
+    return jax.sharding.PartitionSpec(*(keep(e) for e in spec))
 
 
 def _has_jaxpr(p: Any) -> bool:
@@ -453,6 +468,22 @@ def zeros(lead: tuple[int, ...], aval: Any) -> Any:
         )
         return jax.numpy.zeros(shape, aval.dtype, out_sharding=target)
     return jax.numpy.zeros(shape, aval.dtype)
+
+
+def typed_like(x: Any, ref: Any) -> Any:
+    """``x`` resharded like ``ref`` when ``ref``'s type carries a sharding on a mesh that ``x``'s
+    does not match (outside ``shard_map``); ``x`` otherwise."""
+    want = getattr(jax.typeof(ref), "sharding", None)
+    have = getattr(jax.typeof(x), "sharding", None)
+    if (
+        not isinstance(want, jax.sharding.NamedSharding)
+        or want.mesh.empty
+        or manual_axes()
+        or jax.typeof(x).shape != jax.typeof(ref).shape
+        or (have is not None and have.mesh == want.mesh and have.spec == want.spec)
+    ):
+        return x
+    return jax.sharding.reshard(x, want)
 
 
 def typed_aval(x: Any, drop_lead: bool = False) -> Any:

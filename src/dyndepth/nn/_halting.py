@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .. import _vma
 from .._loop import while_loop
 from .._types import Strategy
 from . import _validate as v
@@ -155,14 +156,14 @@ def halting(
             "under vmap, write step_fn for one sample"
         )
 
-    outputs0 = jax.tree_util.tree_map(
-        lambda a: jnp.zeros((max_steps,) + tuple(a.shape), a.dtype), y_shape
-    )
+    # typed like the step's outputs (an Explicit mesh's sharding included), so they can be
+    # written into the buffers
+    outputs0 = jax.tree_util.tree_map(lambda a: _vma.zeros((max_steps,), a), y_shape)
     carry0 = dict(
         state=state,
         t=jnp.zeros((), jnp.int32),
         rest=jnp.ones((), jnp.float32),
-        p=jnp.zeros((max_steps,), jnp.float32),
+        p=_vma.zeros((max_steps,), lam_shape).astype(jnp.float32),
         outputs=outputs0,
     )
 

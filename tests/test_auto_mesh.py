@@ -12,7 +12,10 @@ starts).
 
 import textwrap
 
+import jax.numpy as jnp
 from test_shard import run_on_eight_devices
+
+from dyndepth import _schedule
 
 SCRIPT = textwrap.dedent(
     """
@@ -168,6 +171,28 @@ SCRIPT = textwrap.dedent(
                 permutes=hlo.count("collective-permute("),
                 in_loops=collectives_in_loops(hlo),
             )
+    # The work of repeat_batched's scheduler on each layout (forward, return_stats): under
+    # plain jit the stats are summed over the devices; the test checks that the sum is that
+    # of one scheduler per device, each on its own rows.
+    def stats(W, xs, ds):
+        return dd.repeat_batched(lambda c: jnp.tanh(c @ W), xs, ds, max_depth=T,
+                                 return_stats=True)[1]
+
+    work_ds = jax.random.randint(jax.random.PRNGKey(6), (256,), 0, T + 1)
+    work_xs = jax.random.normal(jax.random.PRNGKey(7), (256, D))
+    out["work"] = {"depths": work_ds.tolist()}
+    for layout in LAYOUTS:
+        if "explicit" in layout:
+            mesh = jax.make_mesh((4, 2), ("data", "model"),
+                                 axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+        else:
+            shape, names = ((8,), ("data",)) if layout == "1d" else ((4, 2), ("data", "model"))
+            mesh = Mesh(np.array(jax.devices()).reshape(shape), names)
+        put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
+        st = jax.jit(stats)(put(W), put(work_xs, "data"), put(work_ds, "data"))
+        out["work"][layout] = dict(devices=mesh.shape["data"],
+                                   **{k: np.asarray(v).tolist() for k, v in st.items()})
+
     # An Equinox model as its users shard it: eqx.filter_shard and eqx.filter_jit, rows that
     # eqx.nn.Linear and LayerNorm are vmapped over inside the step, a 2-D Auto mesh.
     import equinox as eqx
@@ -224,6 +249,7 @@ def test_auto_mesh_per_device_loops():
     results = run_on_eight_devices(SCRIPT)
     # the check of the compiled programs finds a collective inside a loop when there is one
     assert results.pop("control")["in_loops"] > 0
+    _check_work_per_device(results.pop("work"))
     assert results["equinox"]  # eqx.filter_shard + eqx.filter_jit, checked below as the rest
     loops = {k: r for k, r in results.items() if k != "equinox"}
     assert {k.split()[0] for k in loops} == {
@@ -242,3 +268,32 @@ def test_auto_mesh_per_device_loops():
         assert r["gathers_not_of_W"] == 0, (name, r)
         if not layout.endswith("tp"):
             assert r["gathers"] == 0, (name, r)
+
+
+def _check_work_per_device(work):
+    """The scheduler ran once per device, each on its shard of the batch, within its work
+    bound: the reported totals are the sums over the shards of what the scheduler's rule
+    executes on each shard alone (one scheduler over the whole batch executes otherwise)."""
+    depths = jnp.asarray(work.pop("depths"), jnp.int32)
+    whole = _schedule_of(depths)
+    assert set(work) == {"1d", "2d-ddp", "2d-tp", "2d-explicit", "2d-explicit-tp"}
+    for layout, st in work.items():
+        shards = jnp.split(depths, st["devices"])
+        per_shard = [_schedule_of(d) for d in shards]
+        assert st["useful_sample_steps"] == int(depths.sum()), layout
+        assert st["executed_sample_steps"] == sum(e for e, _ in per_shard), (layout, st)
+        assert st["iterations"] == max(c for _, c in per_shard), (layout, st)
+        for d, (executed, _) in zip(shards, per_shard, strict=True):
+            assert executed <= 1.15 * int(d.sum()), (layout, st)
+    # a run over the whole batch would have reported other figures
+    assert any(st["iterations"] != whole[1] for st in work.values()) or any(
+        st["executed_sample_steps"] != whole[0] for st in work.values()
+    )
+
+
+def _schedule_of(depths):
+    """(executed sample-steps, iterations) of the scheduler's rule on ``depths`` alone."""
+    candidates = _schedule.slot_candidates(depths.shape[0])
+    slots = candidates[int(_schedule.choose_slots(depths, candidates))]
+    executed = int(_schedule.executed_steps(depths, slots))
+    return executed, executed // slots

@@ -409,7 +409,7 @@ TWO_D_SCRIPT = textwrap.dedent(
         for _, comp in loop_computations(hlo):
             for line in comp.splitlines():
                 if re.search(r"all-reduce|all-gather|collective-permute|all-to-all", line):
-                    m = re.search(r"replica_groups=(\\{[^ ]*\\}|\\[[^ ,]*\\]<=\\[\\d+\\])",
+                    m = re.search(r"replica_groups=(\\{[^ ]*\\}|\\[[\\d,]*\\]<=\\[\\d+\\])",
                                   line)
                     found.append(m.group(1) if m else line.strip()[:80])
         return found

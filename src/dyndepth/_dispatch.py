@@ -87,7 +87,11 @@ def _outer_vmap(fn, batch: Batch, operands, out_axes, finish, shared):
         return [merge_one(v, across) for merge_one, v in zip(shared.values(), values, strict=True)]
 
     probe = [op for op, b in zip(operands, flags, strict=True) if b]
-    kept, merged = per_device(split, tuple(operands), tuple(flags), probe, (combine,))
+    # (a parameter split over `model` is gathered: under this map, the inner loops' switch over
+    # slot counts becomes a select whose cases a `model` split would type unlike its index)
+    kept, merged = per_device(
+        split, tuple(operands), tuple(flags), probe, (combine,), gather_params=True
+    )
     out = list(kept)
     for i, v in sorted(zip(shared, merged, strict=True), key=lambda p: p[0]):
         out.insert(i, v)

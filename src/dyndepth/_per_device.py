@@ -95,18 +95,21 @@ class Across:
 
 
 def per_device(fn: Callable, args: tuple, in_batched: Any, probe: Any,
-               merges: tuple[Callable, ...] = ()) -> tuple:  # fmt: skip
+               merges: tuple[Callable, ...] = (),
+               gather_params: bool = False) -> tuple:  # fmt: skip
     """``fn(*args)``, once per device on its shard of the batch when the batch is sharded.
 
     ``in_batched`` (a pytree of bools shaped like ``args``) marks the leaves with a leading batch
     axis; the others are replicated. ``fn`` returns a tuple whose last ``len(merges)`` entries
     are per-device values: ``merge(value, across)`` combines them over the devices (``across``:
     an :class:`Across`); every other output has a leading batch axis and stays split. ``probe``
-    holds batched leaves whose types may carry an ``Explicit`` sharding.
+    holds batched leaves whose types may carry an ``Explicit`` sharding. On an ``Explicit``
+    mesh, a replicated leaf split over other axes than the batch's (a tensor-parallel weight)
+    stays split, unless ``gather_params``.
     """
     mesh, axes = _vma.batch_mesh(probe)
     if mesh is not None:
-        return _in_shard_map(fn, args, in_batched, merges, mesh, axes)
+        return _in_shard_map(fn, args, in_batched, merges, mesh, axes, gather_params)
     if _PARTITIONING.get() and not _vma.manual_axes() and not _explicit_typed(args):
         return _partitioned(fn, args, in_batched, merges)
     return _merged(fn(*args), merges, Across())
@@ -126,18 +129,22 @@ def _merged(out: tuple, merges: tuple[Callable, ...], across: Across) -> tuple:
     return keep + tuple(m(v, across) for m, v in zip(merges, per_dev, strict=True))
 
 
-def _in_shard_map(fn, args, in_batched, merges, mesh, axes) -> tuple:
+def _in_shard_map(fn, args, in_batched, merges, mesh, axes, gather_params) -> tuple:
     spec = P(axes if len(axes) > 1 else axes[0])
     in_specs = jax.tree_util.tree_map(lambda b: spec if b else P(), in_batched)
 
     def placed(a, want):
         # shard_map takes Explicit-typed inputs only as typed: a batch leaf broadcast inside
-        # dyndepth (replicated) is split, locally, and a parameter sharded some other way is
-        # gathered, as replicated parameters are.
+        # dyndepth (replicated) is split, locally; a parameter sharded over the batch axes is
+        # gathered, as replicated parameters are; one sharded over other axes only (a
+        # tensor-parallel `model` axis) stays so, and the step runs split over them.
         target = P(*want, *([None] * (jax.numpy.ndim(a) - len(want))))
         have = getattr(jax.typeof(a), "sharding", None)
-        if have is not None and not have.mesh.empty and tuple(have.spec) == tuple(target):
-            return a
+        if have is not None and not have.mesh.empty:
+            if tuple(have.spec) == tuple(target):
+                return a
+            if not (want or gather_params or _names(have.spec) & set(axes)):
+                return a
         return jax.sharding.reshard(a, NamedSharding(mesh, target))
 
     args = jax.tree_util.tree_map(placed, args, in_specs)
@@ -149,6 +156,14 @@ def _in_shard_map(fn, args, in_batched, merges, mesh, axes) -> tuple:
     keep, merged = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(spec, P()),
                                  axis_names=set(axes))(*args)  # fmt: skip
     return keep + merged
+
+
+def _names(spec: Any) -> set[str]:
+    """The mesh axis names a partition spec mentions."""
+    out: set[str] = set()
+    for entry in spec:
+        out.update(e for e in (entry if isinstance(entry, tuple) else (entry,)) if e is not None)
+    return out
 
 
 def _partitioned(fn, args, in_batched, merges) -> tuple:

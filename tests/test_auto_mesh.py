@@ -155,14 +155,17 @@ SCRIPT = textwrap.dedent(
     # Auto axes (jax.sharding.Mesh's default) and Explicit axes (jax.make_mesh's, under
     # jax.set_mesh), 1-D and 2-D, with data-parallel and tensor-parallel weights.
     LAYOUTS = ("1d", "2d-ddp", "2d-tp", "2d-explicit", "2d-explicit-tp")
+
+    def mesh_of(layout):
+        if "explicit" in layout:
+            return jax.make_mesh((4, 2), ("data", "model"),
+                                 axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+        shape, names = ((8,), ("data",)) if layout == "1d" else ((4, 2), ("data", "model"))
+        return Mesh(np.array(jax.devices()).reshape(shape), names)
+
     for j, layout in enumerate(LAYOUTS):
         explicit = "explicit" in layout
-        if explicit:
-            mesh = jax.make_mesh((4, 2), ("data", "model"),
-                                 axis_types=(jax.sharding.AxisType.Explicit,) * 2)
-        else:
-            shape, names = ((8,), ("data",)) if layout == "1d" else ((4, 2), ("data", "model"))
-            mesh = Mesh(np.array(jax.devices()).reshape(shape), names)
+        mesh = mesh_of(layout)
         put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
         w_spec = (None, "model") if layout.endswith("tp") else ()
         RESHARD = layout == "2d-explicit-tp"
@@ -204,12 +207,7 @@ SCRIPT = textwrap.dedent(
     work_xs = jax.random.normal(jax.random.PRNGKey(7), (256, D))
     out["work"] = {"depths": work_ds.tolist()}
     for layout in LAYOUTS:
-        if "explicit" in layout:
-            mesh = jax.make_mesh((4, 2), ("data", "model"),
-                                 axis_types=(jax.sharding.AxisType.Explicit,) * 2)
-        else:
-            shape, names = ((8,), ("data",)) if layout == "1d" else ((4, 2), ("data", "model"))
-            mesh = Mesh(np.array(jax.devices()).reshape(shape), names)
+        mesh = mesh_of(layout)
         put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
         st = jax.jit(stats)(put(W), put(work_xs, "data"), put(work_ds, "data"))
         out["work"][layout] = dict(devices=mesh.shape["data"],

@@ -16,7 +16,7 @@ starts).
 import textwrap
 
 import jax.numpy as jnp
-from test_shard import run_on_eight_devices
+from test_shard import LOOP_HLO, run_on_eight_devices
 
 from dyndepth import _schedule
 
@@ -133,11 +133,7 @@ SCRIPT = textwrap.dedent(
                                    if "branch_computations=" in ln else "")
         ops = ("all-gather(", "all-reduce(", "collective-permute(", "all-to-all(")
         # the replica groups of each collective found inside a loop
-        return [groups(ln) for c in seen for ln in comps[c] for op in ops if op in ln]
-
-    def groups(line):
-        m = re.search(r"replica_groups=(\\{[^ ]*\\}|\\[[\\d,]*\\]<=\\[\\d+\\])", line)
-        return m.group(1) if m else line.strip()[:100]
+        return [replica_groups(ln) for c in seen for ln in comps[c] for op in ops if op in ln]
 
     MODEL_GROUPS = ("{{0,1},{2,3},{4,5},{6,7}}", "[4,2]<=[8]")
 
@@ -185,7 +181,7 @@ SCRIPT = textwrap.dedent(
             # an all-gather over `model` (groups of a data shard's two devices) belongs to
             # tensor parallelism; any other must be of W, before the loops
             gathers = [ln for ln in hlo.splitlines() if "all-gather(" in ln
-                       and groups(ln) not in MODEL_GROUPS]
+                       and replica_groups(ln) not in MODEL_GROUPS]
             out[f"{layout} {name}"] = dict(
                 value_err=float(abs(v - ref[name][0]) / abs(ref[name][0])),
                 grad_err=float(jnp.max(jnp.abs(gw - ref[name][1])) /
@@ -271,7 +267,7 @@ def test_auto_mesh_per_device_loops():
     and (2-D) tensor-parallel weights: each on one of these layouts in `make test`, on all of
     them with DYNDEPTH_FULL=1; the scheduler's work per device; an Equinox model under
     ``eqx.filter_shard``; and the control."""
-    results = run_on_eight_devices(SCRIPT)
+    results = run_on_eight_devices(LOOP_HLO + SCRIPT)
     # the check of the compiled programs finds a collective inside a loop when there is one
     assert results.pop("control")["in_loops"]
     _check_work_per_device(results.pop("work"))

@@ -109,6 +109,12 @@ LOOP_HLO = textwrap.dedent(
             name = head.split()[0].lstrip("%") if head else ""
             if name in loops:
                 yield name, comp
+
+
+    def replica_groups(line):
+        # a collective's replica groups, as written ({{0,1},...} or the iota form [4,2]<=[8])
+        m = re.search(r"replica_groups=(\\{[^ ]*\\}|\\[[\\d,]*\\]<=\\[\\d+\\])", line)
+        return m.group(1) if m else line.strip()[:80]
     """
 )
 
@@ -409,9 +415,7 @@ TWO_D_SCRIPT = textwrap.dedent(
         for _, comp in loop_computations(hlo):
             for line in comp.splitlines():
                 if re.search(r"all-reduce|all-gather|collective-permute|all-to-all", line):
-                    m = re.search(r"replica_groups=(\\{[^ ]*\\}|\\[[\\d,]*\\]<=\\[\\d+\\])",
-                                  line)
-                    found.append(m.group(1) if m else line.strip()[:80])
+                    found.append(replica_groups(line))
         return found
 
     def rel(a, b):

@@ -143,7 +143,8 @@ def _in_shard_map(fn, args, in_batched, merges, mesh, axes, gather_params) -> tu
         if have is not None and not have.mesh.empty:
             if tuple(have.spec) == tuple(target):
                 return a
-            if not (want or gather_params or _names(have.spec) & set(axes)):
+            split_over = {n for entry in have.spec for n in _vma.axes_of(entry)}
+            if not (want or gather_params or split_over & set(axes)):
                 return a
         return jax.sharding.reshard(a, NamedSharding(mesh, target))
 
@@ -156,14 +157,6 @@ def _in_shard_map(fn, args, in_batched, merges, mesh, axes, gather_params) -> tu
     keep, merged = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(spec, P()),
                                  axis_names=set(axes))(*args)  # fmt: skip
     return keep + merged
-
-
-def _names(spec: Any) -> set[str]:
-    """The mesh axis names a partition spec mentions."""
-    out: set[str] = set()
-    for entry in spec:
-        out.update(e for e in (entry if isinstance(entry, tuple) else (entry,)) if e is not None)
-    return out
 
 
 def _partitioned(fn, args, in_batched, merges) -> tuple:
@@ -185,8 +178,7 @@ def _partitioned(fn, args, in_batched, merges) -> tuple:
     def shardings(mesh, arg_shapes):
         lead = _batch_spec(arg_shapes, flags)
         placed = lambda fs: tuple(NamedSharding(mesh, P(lead) if f else P()) for f in fs)
-        axes = () if lead is None else (lead if isinstance(lead, tuple) else (lead,))
-        return placed(flags), placed(out_flags), axes
+        return placed(flags), placed(out_flags), _vma.axes_of(lead)
 
     def infer(mesh, arg_shapes, result_shape):
         return shardings(mesh, arg_shapes)[1]

@@ -62,7 +62,8 @@ def _backward_kernel(*ops, loop, batch, pert, plan, use_ext):
     # A const sharded over an Explicit axis other than the batch's (a tensor-parallel weight)
     # was replicated into the per-device loops: its cotangent is typed back like it.
     consts = take(ops[: loop.n_consts], pert.consts)
-    return [_vma.typed_like(g, c) for g, c in zip(out, consts, strict=False)] + out[len(consts) :]
+    typed = [_vma.typed_like(g, c) for g, c in zip(out[: len(consts)], consts, strict=True)]
+    return typed + out[len(consts) :]
 
 
 def _tangent_kernel(*ops, loop, batch, pert, plan, keep, use_ext):

@@ -294,10 +294,17 @@ def _without_other_mesh(params: dict, mesh: Any) -> dict:
     return out
 
 
+def axes_of(entry: Any) -> tuple[str, ...]:
+    """The mesh axes that one entry of a ``PartitionSpec`` names: none for ``None``, one for a
+    name, several for a tuple."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
 def _spec_without(spec: Any, axes: set[str]) -> Any:
     def keep(entry):
-        names = entry if isinstance(entry, tuple) else (entry,)
-        left = tuple(n for n in names if n is not None and n not in axes)
+        left = tuple(n for n in axes_of(entry) if n not in axes)
         return None if not left else (left if isinstance(entry, tuple) else left[0])
 
     return jax.sharding.PartitionSpec(*(keep(e) for e in spec))
@@ -324,7 +331,7 @@ def explicit_batch_axes(x: Any) -> tuple[Any, tuple[str, ...]]:
         return None, ()
     if mesh.empty or not len(spec) or spec[0] is None:
         return None, ()
-    lead = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    lead = axes_of(spec[0])
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     if manual_axes() or any(types.get(a) != jax.sharding.AxisType.Explicit for a in lead):
         return None, ()
@@ -480,7 +487,7 @@ def typed_like(x: Any, ref: Any) -> Any:
         or want.mesh.empty
         or manual_axes()
         or jax.typeof(x).shape != jax.typeof(ref).shape
-        or (have is not None and have.mesh == want.mesh and have.spec == want.spec)
+        or have == want
     ):
         return x
     return jax.sharding.reshard(x, want)

@@ -29,7 +29,7 @@ from .args import Interrupted, int_at_least, int_list, positive_float
 from .config import QUICK, Config, config_to_json, replace
 from .evaluate import accuracy_curve, adaptive_eval, adaptive_table, summarize, table
 from .plots import MISSING, have_matplotlib, plot_accuracy, plot_adaptive
-from .processes import from_primary, is_primary
+from .processes import from_primary, is_primary, run_log
 from .train import (
     BadCheckpoint,
     ConfigMismatch,
@@ -40,14 +40,6 @@ from .train import (
     mesh_devices,
     train,
 )
-
-
-def _log(*args):
-    print(*args, flush=True)
-
-
-def _quiet(*args):
-    pass
 
 
 def evaluate_run(params, cfg, label, *, strings, log, caps=None):
@@ -103,7 +95,7 @@ def run_demo(cfg, out_dir, *, control=False, devices=1, log=None):
     holds. On several processes (:mod:`~dyndepth._app.processes`) every process runs it and
     process 0 alone logs and writes ``out_dir``."""
     primary = is_primary()
-    log = (log or _log) if primary else _quiet
+    log = run_log(log)
     t_run = time.perf_counter()
     if primary:
         os.makedirs(out_dir, exist_ok=True)

@@ -19,6 +19,9 @@ import argparse
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
+
+from .args import int_at_least
 
 FLAGS = ("--coordinator", "--num-processes", "--process-id")
 
@@ -34,8 +37,6 @@ def host_port(text):
 
 
 def add_arguments(p):
-    from .args import int_at_least
-
     p.add_argument(
         "--coordinator",
         type=host_port,
@@ -89,13 +90,19 @@ def is_primary() -> bool:
     return jax.process_index() == 0
 
 
+def run_log(log=None):
+    """The log of a run: ``log`` (default: ``print``, flushed) on process 0, nothing on the
+    others."""
+    if not is_primary():
+        return lambda *args: None
+    return log or (lambda *args: print(*args, flush=True))
+
+
 def from_primary(tree):
     """``tree`` (arrays or numbers, of the same shapes on every process) as process 0 has it,
     as numpy arrays; a collective that every process must call at the same point."""
     if jax.process_count() == 1:
         return jax.tree_util.tree_map(np.asarray, tree)
-    from jax.experimental import multihost_utils
-
     return multihost_utils.broadcast_one_to_all(tree)
 
 
@@ -104,6 +111,4 @@ def on_any_process(flag: bool) -> bool:
     collective that every process must call at the same point."""
     if jax.process_count() == 1:
         return bool(flag)
-    from jax.experimental import multihost_utils
-
     return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))

@@ -52,7 +52,7 @@ from .model import (
     think,
     think_batched,
 )
-from .processes import from_primary, is_primary, on_any_process
+from .processes import from_primary, is_primary, on_any_process, run_log
 
 # ----------------------------------------------------------------------------- optimiser
 
@@ -369,14 +369,6 @@ def check_resumable(path, cfg):
 # ----------------------------------------------------------------------------- the loop
 
 
-def _log(*args):
-    print(*args, flush=True)
-
-
-def _quiet(*args):
-    pass
-
-
 def _start_state(cfg, ckpt, label, log):
     """``(params, opt, step, converged_at)``: from the checkpoint ``ckpt`` when it exists (None:
     do not resume), else a fresh start. On several processes, process 0 alone reads the
@@ -428,7 +420,7 @@ def train(cfg, out_dir, *, label="alpha=1", resume=True, stop_at=None, devices=1
     On several processes (:mod:`~dyndepth._app.processes`) every process calls this; process 0
     alone logs, shows the progress bar and reads and writes the checkpoint."""
     primary = is_primary()
-    log = (log or _log) if primary else _quiet
+    log = run_log(log)
     if primary:
         os.makedirs(out_dir, exist_ok=True)
     ckpt = os.path.join(out_dir, f"{label}.ckpt.npz")

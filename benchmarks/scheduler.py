@@ -5,15 +5,20 @@ What it measures, for the step ``x -> x + tanh(x @ W)`` (``B`` samples of width 
 1. **Work**, for each depth distribution and batch size: executed / useful sample-steps of
    ``dyndepth.repeat_batched`` (``return_stats``), forward; the backward pass is scheduled by
    the same rule on the same depths (``tests/test_schedule.py`` counts both with a callback).
-2. **Time** (ms, best of ``--repeats``), at ``B, D = --batch, --width`` with depths uniform in
-   ``[1, max_depth]``: forward and ``value_and_grad`` of ``jax.vmap(dyndepth.repeat)``
-   (``"auto"``: the scheduler) on those depths and on equal depths with the same sum (the same
-   useful work, no skew), against a vmapped ``lax.while_loop`` (forward) and the seed's
-   ``jax.checkpoint`` + ``lax.scan`` over ``max_depth`` with ``lax.cond``.
-3. **Full depth**: every sample at ``max_depth``: ``value_and_grad`` of the scheduler against
-   ``jax.checkpoint`` + ``lax.scan`` (nothing to save; the per-step overhead shows).
+2. **Time** (ms, best of ``--repeats`` rounds, the calls taken in turn within each round), at
+   ``B, D = --batch, --width`` with depths uniform in ``[1, max_depth]``: forward and
+   ``value_and_grad`` of ``jax.vmap(dyndepth.repeat)`` (``"auto"``: the scheduler) on those
+   depths and on equal depths with the same sum (the same useful work, no skew), against a
+   vmapped ``lax.while_loop`` (forward). And the **critical path** of the uniform batch: its
+   deepest sample's steps run one after another, so any schedule takes at least ``max(depth)``
+   iterations, of ``ceil(sum / max)`` rows on average; a lockstep batch of that shape (equal
+   depths, nothing to schedule) is the least the uniform batch can cost on this machine.
+3. **Full depth**: every sample at ``max_depth``: forward against ``lax.scan`` and
+   ``value_and_grad`` against ``jax.checkpoint`` + ``lax.scan`` (nothing to save; the per-step
+   overhead shows).
 4. **Compile time** (lower + compile of ``value_and_grad``, median of 3 fresh functions) of
-   ``"auto"`` against ``"checkpointed"`` (one unscheduled loop) at ``--compile-batch``.
+   ``"auto"`` (one compiled branch per slot count, listed) and of ``"auto"`` with one slot
+   count (``slots=B/2``) against ``"checkpointed"`` (one unscheduled loop), at B = 64 and 256.
 
 How to run (from the repository root)::
 
@@ -34,6 +39,7 @@ import numpy as np
 from jax import lax
 
 import dyndepth as dd
+from dyndepth._schedule import slot_candidates
 
 
 def depths_of(name: str, key: jax.Array, batch: int, hi: int) -> jax.Array:
@@ -72,22 +78,29 @@ DISTRIBUTIONS = (
 )
 
 
-def best_ms(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
+def interleaved_ms(calls: dict, repeats: int) -> dict:
+    """Best time (ms) of each ``label: (fn, args)`` over ``repeats`` rounds, the calls taken in
+    turn within a round: load on a shared machine then falls on all of them alike, and the
+    best of many rounds is what the code itself costs."""
+    for fn, args in calls.values():
+        jax.block_until_ready(fn(*args))  # compile and warm up
+    best = dict.fromkeys(calls, float("inf"))
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * min(times)
+        for label, (fn, args) in calls.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            best[label] = min(best[label], time.perf_counter() - t0)
+    return {label: 1e3 * t for label, t in best.items()}
 
 
 def layer(W):
     return lambda x: x + jnp.tanh(x @ W)
 
 
-def scheduled(W, xs, ds, max_depth, strategy="auto"):
-    one = lambda x, d: dd.repeat(layer(W), x, d, max_depth=max_depth, strategy=strategy)
+def scheduled(W, xs, ds, max_depth, strategy="auto", slots=None):
+    one = lambda x, d: dd.repeat(
+        layer(W), x, d, max_depth=max_depth, strategy=strategy, slots=slots
+    )
     return jax.vmap(one)(xs, ds)
 
 
@@ -132,47 +145,63 @@ def time_table(batch, width, hi, repeats):
     W = jax.random.normal(kw, (width, width)) / (2 * np.sqrt(width))
     xs = jax.random.normal(kx, (batch, width))
     uniform = jax.random.randint(kd, (batch,), 1, hi + 1)
-    total = int(uniform.sum())
+    total, longest = int(uniform.sum()), int(uniform.max())
     equal = jnp.full((batch,), total // batch, jnp.int32).at[: total % batch].add(1)
     full = jnp.full((batch,), hi, jnp.int32)
-    ms = lambda fn, ds: best_ms(jax.jit(fn), W, xs, ds, repeats=repeats)
-    fwd = lambda run: lambda W, xs, ds: run(W, xs, ds, hi)
-    vg = lambda run: jax.value_and_grad(loss_of(run, hi))
-    rows = {
-        label: (ms(fwd(scheduled), ds), ms(fwd(vmapped_while), ds), ms(vg(scheduled), ds))
-        for label, ds in (("uniform", uniform), ("equal, same sum", equal), ("full", full))
-    }
-    scan_fwd = ms(fwd(full_scan), full)
+    # The critical path: the deepest sample takes `longest` steps one after another, so any
+    # schedule runs at least that many iterations, of ceil(total / longest) rows on average.
+    # A lockstep batch of that shape, unscheduled, is what the uniform batch costs at best.
+    rows = -(-total // longest)
+    floor = (W, xs[:rows], jnp.full((rows,), longest, jnp.int32))
+    fwd = lambda run: jax.jit(lambda W, xs, ds: run(W, xs, ds, hi))
+    vg = lambda run: jax.jit(jax.value_and_grad(loss_of(run, hi)))
     remat_scan = lambda W, xs, ds, hi: full_scan(W, xs, ds, hi, remat=True)
-    scan_vg = ms(vg(remat_scan), full)
-    print(f"\n### Time (ms, best of {repeats}): B={batch}, D={width}, max_depth={hi}\n")
+    calls = {}
+    for label, ds in (("uniform", uniform), ("equal, same sum", equal), ("full", full)):
+        calls[label, "fwd"] = (fwd(scheduled), (W, xs, ds))
+        calls[label, "while"] = (fwd(vmapped_while), (W, xs, ds))
+        calls[label, "vg"] = (vg(scheduled), (W, xs, ds))
+    calls["floor", "fwd"] = (fwd(scheduled), floor)
+    calls["floor", "vg"] = (vg(scheduled), floor)
+    calls["scan", "fwd"] = (fwd(full_scan), (W, xs, full))
+    calls["scan", "vg"] = (vg(remat_scan), (W, xs, full))
+    ms = interleaved_ms(calls, repeats)
+    print(f"\n### Time (ms, best of {repeats} interleaved rounds): B={batch}, D={width}, "
+          f"max_depth={hi}\n")  # fmt: skip
     print("| depths | forward: scheduler | vmap(lax.while_loop) | value_and_grad: scheduler |")
     print("|---|---|---|---|")
-    for label, (f, w, g) in rows.items():
-        print(f"| {label} | {f:.1f} | {w:.1f} | {g:.1f} |")
-    print(
-        f"| full, `lax.scan` / `jax.checkpoint` + `lax.scan` | {scan_fwd:.1f} | | {scan_vg:.1f} |"
-    )
-    (uf, uw, ug), (ef, _, eg), (ff, _, fg) = rows.values()
+    for label in ("uniform", "equal, same sum", "full"):
+        print(f"| {label} | {ms[label, 'fwd']:.1f} | {ms[label, 'while']:.1f} | "
+              f"{ms[label, 'vg']:.1f} |")  # fmt: skip
+    print(f"| critical path: {rows} rows x {longest} steps, lockstep | {ms['floor', 'fwd']:.1f} | "
+          f"| {ms['floor', 'vg']:.1f} |")  # fmt: skip
+    print(f"| full, `lax.scan` / `jax.checkpoint` + `lax.scan` | {ms['scan', 'fwd']:.1f} | | "
+          f"{ms['scan', 'vg']:.1f} |")  # fmt: skip
+    ratio = lambda a, b, kind: ms[a, kind] / ms[b, kind]
+    eq = "equal, same sum"
     print("\nRatios:")
-    print(
-        f"- uniform / equal depths, same sum: forward {uf / ef:.2f}x, value_and_grad {ug / eg:.2f}x"
-    )
-    print(f"- uniform, forward: vmap(lax.while_loop) / scheduler = {uw / uf:.2f}x")
-    print(
-        f"- full depth: scheduler / lax.scan forward {ff / scan_fwd:.2f}x, "
-        f"scheduler / (jax.checkpoint + lax.scan) value_and_grad {fg / scan_vg:.2f}x"
-    )
+    print(f"- uniform / equal depths, same sum: forward {ratio('uniform', eq, 'fwd'):.2f}x, "
+          f"value_and_grad {ratio('uniform', eq, 'vg'):.2f}x")  # fmt: skip
+    print(f"- critical path / equal depths (the least any schedule of the uniform batch costs): "
+          f"forward {ratio('floor', eq, 'fwd'):.2f}x, "
+          f"value_and_grad {ratio('floor', eq, 'vg'):.2f}x")  # fmt: skip
+    print(f"- uniform, forward: vmap(lax.while_loop) / scheduler = "
+          f"{ms['uniform', 'while'] / ms['uniform', 'fwd']:.2f}x")  # fmt: skip
+    print(f"- full depth: scheduler / lax.scan forward {ratio('full', 'scan', 'fwd'):.2f}x, "
+          f"scheduler / (jax.checkpoint + lax.scan) value_and_grad "
+          f"{ratio('full', 'scan', 'vg'):.2f}x")  # fmt: skip
 
 
-def compile_seconds(strategy, batch, width, hi):
+def compile_seconds(strategy, batch, width, hi, slots=None):
     W = jnp.zeros((width, width))
     xs = jnp.zeros((batch, width))
     ds = jnp.ones((batch,), jnp.int32)
     times = []
     for _ in range(3):
         # A new function object each time: a fresh trace, lowering and compile.
-        fn = jax.value_and_grad(lambda W, xs, ds: jnp.sum(scheduled(W, xs, ds, hi, strategy)))
+        fn = jax.value_and_grad(
+            lambda W, xs, ds: jnp.sum(scheduled(W, xs, ds, hi, strategy, slots=slots))
+        )
         t0 = time.perf_counter()
         jax.jit(fn).lower(W, xs, ds).compile()
         times.append(time.perf_counter() - t0)
@@ -181,13 +210,18 @@ def compile_seconds(strategy, batch, width, hi):
 
 def compile_table(batches, width, hi):
     print(f"\n### Compile time of value_and_grad (s, median of 3; D={width}, max_depth={hi})\n")
-    print("| B | auto (scheduler) | checkpointed | ratio |")
-    print("|---|---|---|---|")
+    print(
+        "| B | slot counts | auto (scheduler) | checkpointed | ratio | auto, `slots=B/2` | ratio |"
+    )
+    print("|---|---|---|---|---|---|---|")
     compile_seconds("checkpointed", 4, width, hi)  # warm-up: JAX's own caches
     for b in batches:
         auto = compile_seconds("auto", b, width, hi)
         base = compile_seconds("checkpointed", b, width, hi)
-        print(f"| {b} | {auto:.2f} | {base:.2f} | {auto / base:.2f}x |")
+        one = compile_seconds("auto", b, width, hi, slots=b // 2)
+        counts = ", ".join(map(str, slot_candidates(b)))
+        print(f"| {b} | {counts} | {auto:.2f} | {base:.2f} | {auto / base:.2f}x | {one:.2f} | "
+              f"{one / base:.2f}x |")  # fmt: skip
 
 
 def main() -> None:
@@ -196,7 +230,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--max-depth", type=int, default=100)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=20)
     a = p.parse_args()
     batches = (64, 256, 1024)
     if a.quick:

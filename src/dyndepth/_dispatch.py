@@ -178,8 +178,11 @@ def _forward_rows(loop, level, store, plan, consts, cconsts, init, xs, n, kd) ->
             return _batched.forward(*args, store=store)
         if loop.cond_jaxpr is None:
             return _schedule.run_with_slots(
-                _schedule.forward_wrapped, n, loop.slots, _schedule.slot_candidates(rows), *args,
-                store=store,
+                n, loop.slots, _schedule.slot_candidates(rows),
+                lambda: _batched.forward(*args, store=store),
+                lambda queue, S: _schedule.forward_wrapped(
+                    *args, store=store, slots=S, queue=queue
+                ),
             )  # fmt: skip
         # Stopping steps are unknown before the loop runs: continuous batching in a quarter of
         # the rows (or the given slots).
@@ -287,8 +290,11 @@ def _backward_rows(loop, level, pert, plan, use_ext, consts, xs, kd, steps, buf,
         args = (loop, pert, consts, c_axes, xs, kd, (buf, stride), steps, ct_c, ct_y)
         if sb and not loop.thinning and _schedulable(loop, steps.shape[0]):
             acc, ct, ct_xs = _schedule.run_with_slots(
-                _schedule.backward_wrapped, steps, loop.slots,
-                _schedule.slot_candidates(steps.shape[0]), *args, per_row=per_row,
+                steps, loop.slots, _schedule.slot_candidates(steps.shape[0]),
+                lambda: _batched.backward(*args, per_row=per_row),
+                lambda queue, S: _schedule.backward_wrapped(
+                    *args, per_row=per_row, slots=S, queue=queue
+                ),
             )  # fmt: skip
         else:
             acc, ct, ct_xs = _batched.backward(*args, per_row=per_row)

@@ -31,7 +31,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import _batched, _vma
+from . import _vma
 from ._batched import const_accumulators, rows_vjp, stats_of, store_state
 from ._leaves import where_rows
 from ._step import Loop, Perturbed
@@ -77,19 +77,16 @@ def choose_slots(lengths: jax.Array, candidates: tuple[int, ...]) -> jax.Array:
     return jnp.where(jnp.any(ok), jnp.argmax(ok), jnp.argmin(work)).astype(jnp.int32)
 
 
-def run_with_slots(fn, lengths, slots, candidates, *args, **kwargs):
-    """``fn(*args, slots=S, **kwargs)`` with a static ``slots``, or chosen at run time among
-    ``candidates`` by :func:`choose_slots` (one compiled branch each). ``S >= B`` runs the
-    lockstep batch: with one slot per sample there is nothing to schedule."""
+def run_with_slots(lengths, slots, candidates, lockstep, wrapped):
+    """``wrapped(queue, S)`` with a static slot count ``S`` (``slots``), or chosen at run time
+    among ``candidates`` by :func:`choose_slots` (one compiled branch each); ``S >= B`` runs
+    ``lockstep()``: with one slot per sample there is nothing to schedule. The part of the
+    layout that does not depend on ``S`` (``queue``) is computed once, outside the branches."""
     B = lengths.shape[0]
+    queue = Queue.of(lengths)
 
     def call(c):
-        if c >= B:
-            if fn is forward_wrapped:
-                return _batched.forward(*args, store=kwargs["store"])
-            if fn is backward_wrapped:
-                return _batched.backward(*args, per_row=kwargs["per_row"])
-        return fn(*args, slots=c, **kwargs)
+        return lockstep() if c >= B else wrapped(queue, c)
 
     if slots is not None or len(candidates) == 1:
         return call(slots or candidates[0])
@@ -101,12 +98,33 @@ def run_with_slots(fn, lengths, slots, candidates, *args, **kwargs):
 
 
 @dataclasses.dataclass(frozen=True)
+class Queue:
+    """``B`` samples of known ``length`` laid end to end: sample ``b`` at positions
+    ``[start[b], start[b] + length[b])`` of ``total``; ``after[b]`` is the next sample with
+    steps (``B`` when none). The part of a wrap-around layout shared by every slot count."""
+
+    total: jax.Array
+    longest: jax.Array
+    length: jax.Array
+    start: jax.Array
+    after: jax.Array
+
+    @staticmethod
+    def of(length: jax.Array) -> Queue:
+        B = length.shape[0]
+        length = length.astype(jnp.int32)
+        has = jnp.where(length > 0, jnp.arange(B, dtype=jnp.int32), B)
+        after = jnp.concatenate([jax.lax.cummin(has[::-1])[::-1][1:], jnp.full((1,), B, jnp.int32)])
+        start = jnp.cumsum(length) - length
+        return Queue(jnp.sum(length), jnp.max(length, initial=0), length, start, after)
+
+
+@dataclasses.dataclass(frozen=True)
 class Wrap:
-    """The wrap-around layout of ``B`` samples of known ``length`` in ``S`` slots: ``C``
-    iterations; sample ``b`` at positions ``[start[b], start[b] + length[b])``; a sample cut
-    by a slot boundary keeps its first ``head[b]`` positions in its own slot (they run its
+    """The wrap-around layout of a :class:`Queue` in ``S`` slots: ``C`` iterations; a sample
+    cut by a slot boundary keeps its first ``head[b]`` positions in its own slot (they run its
     last steps) and runs its first ``length[b] - head[b]`` steps at the start of the next
-    slot; ``after[b]`` is the next sample with steps; ``first[s]`` is slot ``s``'s first."""
+    slot; ``first[s]`` is slot ``s``'s first sample."""
 
     C: jax.Array
     total: jax.Array
@@ -117,20 +135,16 @@ class Wrap:
     first: jax.Array
 
     @staticmethod
-    def of(length: jax.Array, S: int) -> Wrap:
-        B = length.shape[0]
-        total = jnp.sum(length)
-        C = jnp.maximum(jnp.max(length), (total + S - 1) // S)
-        start = jnp.cumsum(length) - length
+    def of(queue: Queue, S: int) -> Wrap:
+        length, start, total = queue.length, queue.start, queue.total
+        C = jnp.maximum(queue.longest, (total + S - 1) // S)
         end = start + length
         cut = (start // jnp.maximum(C, 1) + 1) * C
         head = jnp.where(end > cut, cut - start, length)
-        has = jnp.where(length > 0, jnp.arange(B), B)
-        after = jnp.concatenate([jax.lax.cummin(has[::-1])[::-1][1:], jnp.full((1,), B)])
         # The sample holding each slot's first position: the count of samples ending at or
         # before it (a comparison of S x B, cheaper to trace and run than a search).
         first = jnp.sum(end[None, :] <= (jnp.arange(S) * C)[:, None], axis=1, dtype=jnp.int32)
-        return Wrap(C, total, length, start, head, after.astype(jnp.int32), first)
+        return Wrap(C, total, length, start, head, queue.after, first)
 
     def at(self, b: jax.Array, t: jax.Array, S: int):
         """For slot sample ``b`` at iteration ``t``: ``(step, starts, ends, live)``: the step of
@@ -145,6 +159,11 @@ class Wrap:
         ends = (u == length - 1) | (t == self.C - 1)
         return step, starts, ends, live
 
+    def undone(self, b: jax.Array, r: jax.Array) -> jax.Array:
+        """The forward step that reverse step ``r`` of slot sample ``b`` undoes (the same
+        gather as :meth:`at`'s, which the compiler merges)."""
+        return self.length[jnp.minimum(b, self.length.shape[0] - 1)] - 1 - r
+
 
 def _hand_over(wrap: Wrap, s: dict, slot_key: str, new: list, live, ends) -> dict:
     """The end of one wrap-around iteration, forward or backward: each slot keeps its new
@@ -158,14 +177,14 @@ def _hand_over(wrap: Wrap, s: dict, slot_key: str, new: list, live, ends) -> dic
 
 
 def forward_wrapped(loop: Loop, consts, c_axes, cconsts, cc_axes, init, xs, n, kd, *, store,
-                    slots):  # fmt: skip
+                    slots, queue):  # fmt: skip
     """:func:`dyndepth._batched.forward` on the wrap-around schedule (same outputs; no stop
-    predicate: the steps are the depths)."""
+    predicate: the steps are the depths); ``queue`` is ``Queue.of(n)``."""
     del cconsts, cc_axes
     B = n.shape[0]
     S = max(1, min(slots, B))
     T = loop.max_steps
-    wrap = Wrap.of(n, S)
+    wrap = Wrap.of(queue, S)
     vstep = loop.vstep(c_axes, S)
     state = dict(
         t=jnp.zeros((), jnp.int32),
@@ -197,14 +216,15 @@ def forward_wrapped(loop: Loop, consts, c_axes, cconsts, cc_axes, init, xs, n, k
 
 
 def backward_wrapped(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, steps, ct_carry,
-                     ct_ys, *, slots, per_row):  # fmt: skip
+                     ct_ys, *, slots, per_row, queue):  # fmt: skip
     """:func:`dyndepth._batched.backward` (stored carries, no thinning) on the wrap-around
-    schedule: each sample's reverse sweep, its steps in reverse order, laid end to end."""
+    schedule: each sample's reverse sweep, its steps in reverse order, laid end to end;
+    ``queue`` is ``Queue.of(steps)``."""
     assert not loop.thinning
     buf, _ = res
     B = steps.shape[0]
     S = max(1, min(slots, B))
-    wrap = Wrap.of(steps, S)
+    wrap = Wrap.of(queue, S)
     d_axes = [ax for ax, p in zip(c_axes, pert.consts, strict=True) if p]
     state = dict(
         t=jnp.zeros((), jnp.int32),
@@ -219,7 +239,7 @@ def backward_wrapped(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, s
         s = dict(s)
         b, t = s["b"], s["t"]
         r, starts, ends, live = wrap.at(b, t, S)
-        j = _rows(steps, b) - 1 - r  # the forward step this reverse step undoes
+        j = wrap.undone(b, r)
         ct = where_rows(starts, [_rows(c, b) for c in s["cur"]], s["ct"])
         key = loop.key_at(None if kd is None else _rows(kd, b), j)
         g_k, g_c, g_x = rows_vjp(

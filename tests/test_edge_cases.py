@@ -275,6 +275,12 @@ def test_argument_errors_name_the_argument():
         dd.repeat(layer, X, 1, max_depth=3, checkpoints=2, strategy="masked")
     with pytest.raises(ValueError, match="`slots`=2 sets the per-sample scheduler"):
         dd.repeat(layer, X, 1, max_depth=3, slots=2, strategy="checkpointed")
+    with pytest.raises(ValueError, match=r"`slots` must name at least one slot count, got \(\)"):
+        dd.repeat(layer, X, 1, max_depth=3, slots=())
+    with pytest.raises(ValueError, match=r"`slots\[1\]` must be >= 1, got 0"):
+        dd.repeat_batched(layer, XB, DEPTHS, max_depth=3, slots=[4, 0])
+    with pytest.raises(TypeError, match=r"`slots\[0\]` must be a static Python int"):
+        dd.while_loop(lambda c: True, layer, X, max_steps=2, slots=(2.0,))
     with pytest.raises(TypeError, match="`return_steps` must be a static Python bool"):
         dd.while_loop(lambda c: True, layer, X, max_steps=2, return_steps=1)
 

@@ -1,5 +1,7 @@
 """The per-sample scheduler: results and gradients equal the unscheduled loop, work ~ sum(depth)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,7 @@ import pytest
 from helpers import applicable, tree_allclose
 
 import dyndepth
-from dyndepth import _schedule
+from dyndepth import _checks, _schedule
 
 D = 3
 M = 7
@@ -226,11 +228,16 @@ DISTRIBUTIONS = (
 )
 
 
-@pytest.mark.parametrize("B", [64, 256, 1024])
-def test_work_within_bound_on_every_distribution_forward_and_backward(B):
+@pytest.mark.parametrize(
+    "B, ladder", [(64, "default"), (256, "default"), (1024, "default"), (256, "half and one")]
+)
+def test_work_within_bound_on_every_distribution_forward_and_backward(B, ladder):
     """Rows evaluated by the step, counted by a callback inside it (idle rows count too):
-    <= 1.15 x sum(depth) forward and backward; values and gradients equal the masked loop's."""
+    <= 1.15 x sum(depth) forward and backward; values and gradients equal the masked loop's.
+    With the default slot counts, and with two (``slots=(B // 2, 1)``): the bound holds
+    whenever 1 is among them."""
     hi = 24
+    slots = None if ladder == "default" else (B // 2, 1)
     calls = []
 
     def counted(v):  # one call per loop iteration, with every row of it
@@ -251,7 +258,7 @@ def test_work_within_bound_on_every_distribution_forward_and_backward(B):
         return count_rows(x[0]) * 0.0 + x * 1.01 + 0.5
 
     def loss(xs, ds):
-        return jnp.sum(dyndepth.repeat_batched(f, xs, ds, max_depth=hi) ** 2)
+        return jnp.sum(dyndepth.repeat_batched(f, xs, ds, max_depth=hi, slots=slots) ** 2)
 
     def ref_loss(xs, ds):
         def one(x, d):
@@ -260,7 +267,7 @@ def test_work_within_bound_on_every_distribution_forward_and_backward(B):
         return jnp.sum(jax.vmap(one)(xs, ds) ** 2)
 
     def stats(xs, ds):
-        return dyndepth.repeat_batched(f, xs, ds, max_depth=hi, return_stats=True)[1]
+        return dyndepth.repeat_batched(f, xs, ds, max_depth=hi, slots=slots, return_stats=True)[1]
 
     fwd, vg, stats = jax.jit(loss), jax.jit(jax.value_and_grad(loss)), jax.jit(stats)
     ref_vg = jax.jit(jax.value_and_grad(ref_loss))
@@ -279,6 +286,26 @@ def test_work_within_bound_on_every_distribution_forward_and_backward(B):
         calls.clear()
         assert int(stats(xs, ds)["executed_sample_steps"]) == forward_rows, name
         tree_allclose((value, grad), ref_vg(xs, ds), rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "slots, want",
+    [(None, (256, 128, 16, 2, 1)), (32, (32,)), ((1, 300, 128, 128, 256), (256, 128, 1))],
+)
+def test_each_slot_count_is_one_compiled_branch(slots, want):
+    """The compiled value_and_grad has one conditional over the slot counts forward and one
+    backward, with a branch per count (counts of B or more are one: the lockstep batch), and
+    none with a single count."""
+    assert _schedule.candidates_of(_checks.slots_arg(slots), 256) == want
+
+    def loss(W, xs, ds):
+        f = lambda x: jnp.tanh(x @ W)  # noqa: E731
+        return jnp.sum(dyndepth.repeat_batched(f, xs, ds, max_depth=5, slots=slots) ** 2)
+
+    args = (jnp.eye(D), jnp.ones((256, D)), jnp.ones((256,), jnp.int32))
+    hlo = jax.jit(jax.value_and_grad(loss)).lower(*args).compile().as_text()
+    branches = [len(m.split(",")) for m in re.findall(r"branch_computations=\{([^}]*)\}", hlo)]
+    assert branches == ([len(want)] * 2 if len(want) > 1 else []), branches
 
 
 def test_choose_slots_takes_the_most_slots_within_the_work_slack():
@@ -304,7 +331,10 @@ def test_choose_slots_takes_the_most_slots_within_the_work_slack():
     assert _schedule.slot_candidates(2) == (2,)
 
 
-def test_while_loop_per_sample_predicate_scheduled(data):
+@pytest.mark.parametrize("slots", [3, None, (3, 1)])
+def test_while_loop_per_sample_predicate_scheduled(data, slots):
+    """Continuous batching forward (3 slots; a quarter of the batch for None; the largest of
+    a sequence), the wrap-around backward over the steps taken."""
     W, xs, _, _ = data
 
     def run(W, strategy, slots):
@@ -321,11 +351,11 @@ def test_while_loop_per_sample_predicate_scheduled(data):
 
         return jax.vmap(one)(xs)
 
-    (c1, n1), (c2, n2) = run(W, "auto", 3), run(W, "masked", None)
+    (c1, n1), (c2, n2) = run(W, "auto", slots), run(W, "masked", None)
     tree_allclose(c1, c2)
     np.testing.assert_array_equal(n1, n2)
     assert len(set(np.asarray(n1).tolist())) > 1  # the samples really stop at different steps
-    g = jax.grad(lambda W: jnp.sum(run(W, "auto", 3)[0]))(W)
+    g = jax.grad(lambda W: jnp.sum(run(W, "auto", slots)[0]))(W)
     g_ref = jax.grad(lambda W: jnp.sum(run(W, "masked", None)[0]))(W)
     tree_allclose(g, g_ref, rtol=1e-4, atol=1e-4)
 

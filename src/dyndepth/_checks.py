@@ -44,9 +44,16 @@ def checkpoints_arg(checkpoints: Any) -> int | None:
     return static_nonneg_int(checkpoints, "checkpoints", minimum=1)
 
 
-def slots_arg(slots: Any) -> int | None:
+def slots_arg(slots: Any) -> int | tuple[int, ...] | None:
+    """``None``, one slot count (an int ``>= 1``), or the slot counts to choose from at run
+    time (a non-empty tuple or list of them, returned descending without repeats)."""
     if slots is None:
         return None
+    if isinstance(slots, (tuple, list)):
+        if not slots:
+            raise ValueError(f"`slots` must name at least one slot count, got {slots!r}")
+        counts = {static_nonneg_int(c, f"slots[{i}]", minimum=1) for i, c in enumerate(slots)}
+        return tuple(sorted(counts, reverse=True))
     return static_nonneg_int(slots, "slots", minimum=1)
 
 

@@ -19,7 +19,6 @@ picks the kernel:
 from __future__ import annotations
 
 import dataclasses
-import math
 from functools import partial
 from typing import Any
 
@@ -178,7 +177,7 @@ def _forward_rows(loop, level, store, plan, consts, cconsts, init, xs, n, kd) ->
             return _batched.forward(*args, store=store)
         if loop.cond_jaxpr is None:
             return _schedule.run_with_slots(
-                n, loop.slots, _schedule.slot_candidates(rows),
+                n, _schedule.candidates_of(loop.slots, rows),
                 lambda: _batched.forward(*args, store=store),
                 lambda queue, S: _schedule.forward_wrapped(
                     *args, store=store, slots=S, queue=queue
@@ -186,7 +185,7 @@ def _forward_rows(loop, level, store, plan, consts, cconsts, init, xs, n, kd) ->
             )  # fmt: skip
         # Stopping steps are unknown before the loop runs: continuous batching in a quarter of
         # the rows (or the given slots).
-        slots = loop.slots or math.ceil(rows / 4)
+        slots = _schedule.refill_slots(loop.slots, rows)
         if slots >= rows:
             return _batched.forward(*args, store=store)
         return _schedule.forward_refill(*args, store=store, slots=slots)
@@ -290,7 +289,7 @@ def _backward_rows(loop, level, pert, plan, use_ext, consts, xs, kd, steps, buf,
         args = (loop, pert, consts, c_axes, xs, kd, (buf, stride), steps, ct_c, ct_y)
         if sb and not loop.thinning and _schedulable(loop, steps.shape[0]):
             acc, ct, ct_xs = _schedule.run_with_slots(
-                steps, loop.slots, _schedule.slot_candidates(steps.shape[0]),
+                steps, _schedule.candidates_of(loop.slots, steps.shape[0]),
                 lambda: _batched.backward(*args, per_row=per_row),
                 lambda queue, S: _schedule.backward_wrapped(
                     *args, per_row=per_row, slots=S, queue=queue

@@ -8,7 +8,7 @@ in how the user's function is wrapped and in the stop rule.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -109,7 +109,7 @@ def bounded_checkpoints(init: Any, length: int) -> int | None:
 
 def _run(kind: StepKind, fn: Callable, cond_fn: Callable | None, init: Any, xs: Any, n: Any,
          key: Any, stacked: Any = None, *, length: int, strategy: str,
-         checkpoints: int | None, slots: int | None):  # fmt: skip
+         checkpoints: int | None, slots: int | tuple[int, ...] | None):  # fmt: skip
     """Trace the step, pick the strategy's runner and run. Returns ``(carry, ys, steps,
     stats)`` as the user's pytrees."""
     strategy = _checks.strategy_arg(strategy)
@@ -160,7 +160,7 @@ def repeat(
     key: Any = None,
     strategy: Strategy = "auto",
     checkpoints: int | None = None,
-    slots: int | None = None,
+    slots: int | Sequence[int] | None = None,
     checked: bool = False,
 ) -> Any:
     """Apply ``f`` to ``init`` ``depth`` times, where ``depth`` may be traced or batched.
@@ -242,12 +242,17 @@ def repeat(
       gigabytes (pass ``checkpoints`` explicitly to choose otherwise).
 
     - ``slots``: under ``vmap`` with per-sample depths, ``"auto"`` runs the batch through the
-      per-sample scheduler (see :func:`repeat_batched`) with this many slots. ``None`` chooses
-      at run time among ``B, B/2, B/16, B/128, ..., 1`` (one compiled branch each) the largest
-      count whose wrap-around schedule executes at most ``sum(depth) / 16`` sample-steps more
-      than ``sum(depth)``; batches of 2 or fewer run unscheduled. For ``while_loop``, whose
-      stopping steps are unknown up front, ``None`` means ``ceil(B / 4)``. Other strategies
-      reject it; outside ``vmap`` there is nothing to schedule.
+      per-sample scheduler (see :func:`repeat_batched`). ``None`` chooses at run time among
+      ``B, B/2, B/16, B/128, ..., 1`` (one compiled branch each) the largest count whose
+      wrap-around schedule executes at most ``sum(depth) / 16`` sample-steps more than
+      ``sum(depth)``; batches of 2 or fewer run unscheduled. An int fixes the count (one
+      branch). A sequence of ints is the counts to choose from by the same rule, one branch
+      each: fewer counts compile faster, and with ``1`` among them the bound still holds for
+      every distribution of depths (counts of ``B`` or more run the lockstep batch). For
+      ``while_loop``, whose stopping steps are unknown up front, the forward pass runs
+      ``slots`` slots (the largest of a sequence; ``ceil(B / 4)`` for ``None``) and its
+      backward pass follows the rule above. Other strategies reject it; outside ``vmap``
+      there is nothing to schedule.
 
     - ``checked``: verify a traced ``depth`` at run time instead of clamping it: a value outside
       ``[0, max_depth]`` raises (under jit and vmap) with the value and, under vmap, its batch
@@ -264,8 +269,8 @@ def repeat(
     carry's structure, shape or dtype (the message names the leaf); ``ValueError`` if
     ``max_depth`` is negative, a concrete ``depth`` is out of range, ``depth`` is not a scalar,
     ``checkpoints < 1``, ``strategy`` is unknown, ``checkpoints`` is given to ``"masked"`` or
-    ``"while"``, or ``slots`` to a strategy other than ``"auto"``. ``TypeError`` for a non-int
-    ``max_depth``/``checkpoints``. Reverse mode of ``"while"``, and reverse over reverse of
+    ``"while"``, ``slots`` to a strategy other than ``"auto"``, or ``slots`` is an empty
+    sequence. ``TypeError`` for a non-int ``max_depth``/``checkpoints``/``slots`` (entry). Reverse mode of ``"while"``, and reverse over reverse of
     ``"auto"``/``"checkpointed"``, raise a ``TypeError`` when differentiated.
     """
     _checks.callable_arg(f, "f")
@@ -291,7 +296,7 @@ def scan(
     key: Any = None,
     strategy: Strategy = "auto",
     checkpoints: int | None = None,
-    slots: int | None = None,
+    slots: int | Sequence[int] | None = None,
     checked: bool = False,
 ) -> tuple[Any, Any]:
     """Like ``lax.scan``, but only the first ``depth`` of the ``length`` steps run.
@@ -393,7 +398,7 @@ def while_loop(
     strategy: Strategy = "auto",
     checkpoints: int | None = None,
     return_steps: bool = False,
-    slots: int | None = None,
+    slots: int | Sequence[int] | None = None,
 ) -> Any:
     """A bounded while loop with a data-dependent stop, reverse-differentiable.
 
@@ -451,7 +456,7 @@ def repeat_batched(
     *,
     max_depth: int,
     keys: Any = None,
-    slots: int | None = None,
+    slots: int | Sequence[int] | None = None,
     checkpoints: int | None = None,
     return_stats: bool = False,
     checked: bool = False,
@@ -487,7 +492,9 @@ def repeat_batched(
       ``B, B/2, B/16, B/128, ..., 1`` the largest count that executes at most
       ``sum(depths) / 16`` sample-steps more than ``sum(depths)`` (see :func:`repeat`): the
       bound holds for every distribution of depths, forward and backward. More slots take
-      fewer iterations (``C``), which is what a wide accelerator wants.
+      fewer iterations (``C``), which is what a wide accelerator wants. Each candidate count
+      is a compiled copy of ``f``, forward and backward; a sequence of counts (say
+      ``(B // 2, 1)``) chooses among those only, by the same rule, and compiles fewer.
     - ``checkpoints``: as :func:`repeat`.
     - ``checked``: as :func:`repeat`.
     - ``return_stats``: also return a dict of int32 values: ``iterations`` (loop iterations of

@@ -58,6 +58,24 @@ def slot_candidates(batch: int) -> tuple[int, ...]:
     return tuple(out) + (1,)
 
 
+def candidates_of(slots: int | tuple[int, ...] | None, batch: int) -> tuple[int, ...]:
+    """The slot counts a loop's ``slots`` argument lets a batch of ``batch`` rows use,
+    descending: the default ladder, one count, or the given ones (those of ``batch`` or more
+    all mean the lockstep batch)."""
+    if slots is None:
+        return slot_candidates(batch)
+    counts = (slots,) if isinstance(slots, int) else slots
+    return tuple(sorted({min(c, batch) for c in counts}, reverse=True))
+
+
+def refill_slots(slots: int | tuple[int, ...] | None, batch: int) -> int:
+    """The slot count of continuous batching (stopping steps unknown up front): ``slots``,
+    the largest of several, or a quarter of the batch."""
+    if slots is None:
+        return math.ceil(batch / 4)
+    return slots if isinstance(slots, int) else slots[0]
+
+
 def executed_steps(lengths: jax.Array, slots: int) -> jax.Array:
     """Sample-steps the wrap-around schedule executes with ``slots`` slots: ``slots x C``."""
     total = jnp.sum(lengths)
@@ -77,19 +95,20 @@ def choose_slots(lengths: jax.Array, candidates: tuple[int, ...]) -> jax.Array:
     return jnp.where(jnp.any(ok), jnp.argmax(ok), jnp.argmin(work)).astype(jnp.int32)
 
 
-def run_with_slots(lengths, slots, candidates, lockstep, wrapped):
-    """``wrapped(queue, S)`` with a static slot count ``S`` (``slots``), or chosen at run time
-    among ``candidates`` by :func:`choose_slots` (one compiled branch each); ``S >= B`` runs
-    ``lockstep()``: with one slot per sample there is nothing to schedule. The part of the
-    layout that does not depend on ``S`` (``queue``) is computed once, outside the branches."""
+def run_with_slots(lengths, candidates, lockstep, wrapped):
+    """``wrapped(queue, S)`` with the slot count ``S`` chosen at run time among ``candidates``
+    by :func:`choose_slots` (one compiled branch each; none with one candidate); ``S >= B``
+    runs ``lockstep()``: with one slot per sample there is nothing to schedule. The part of
+    the layout that does not depend on ``S`` (``queue``) is computed once, outside the
+    branches."""
     B = lengths.shape[0]
     queue = Queue.of(lengths)
 
     def call(c):
         return lockstep() if c >= B else wrapped(queue, c)
 
-    if slots is not None or len(candidates) == 1:
-        return call(slots or candidates[0])
+    if len(candidates) == 1:
+        return call(candidates[0])
     branches = [lambda c=c: call(c) for c in candidates]
     return _vma.switch(choose_slots(lengths, candidates), branches)
 
@@ -358,34 +377,42 @@ def forward_refill(loop: Loop, consts, c_axes, cconsts, cc_axes, init, xs, n, kd
 
 
 def _store_scheduled(loop, s, idx, i, live, carry):
-    """Store each slot's carry before step ``i`` of its sample ``idx`` (every ``stride``-th step
-    of the sample, halving the sample's checkpoints when its ``K`` slots fill up)."""
+    """Store each slot's carry before step ``i`` of its sample ``idx``: in column ``i``, or with
+    checkpoint thinning, every ``stride``-th step of the sample (halving the sample's
+    checkpoints when its ``K`` slots fill up)."""
     buf, count, stride = s["buf"], s["count"], s["stride"]
+    if not loop.thinning:  # every step is stored, so a sample's count is its step
+        drop = _drop_idx(live, idx, count.shape[0])
+        return dict(
+            buf=[b.at[drop, i].set(c, mode="drop") for b, c in zip(buf, carry, strict=True)]
+        )
+    K = loop.slots_stored
+    full = live & (i % _rows(stride, idx) == 0) & (_rows(count, idx) == K)
+    buf, count, stride = _vma.cond(
+        jnp.any(full), lambda a: _thin(K, idx, full, *a), lambda a: a, (buf, count, stride)
+    )
     cnt, st = _rows(count, idx), _rows(stride, idx)
-    if loop.thinning:
-        K = loop.slots_stored
-        full = live & (i % st == 0) & (cnt == K)
-
-        def compact(args):
-            buf, count, stride = args
-            kept = (K + 1) // 2
-            f_drop = _drop_idx(full, idx, buf[0].shape[0])
-
-            def thin(b):
-                rows = _rows(b, idx)
-                half = rows[:, 0::2]
-                pad = jnp.zeros((rows.shape[0], K - kept) + rows.shape[2:], rows.dtype)
-                return b.at[f_drop].set(jnp.concatenate([half, pad], axis=1), mode="drop")
-
-            buf = [thin(b) for b in buf]
-            count = count.at[f_drop].set(kept, mode="drop")
-            stride = stride.at[f_drop].set(st * 2, mode="drop")
-            return buf, count, stride
-
-        buf, count, stride = _vma.cond(jnp.any(full), compact, lambda a: a, (buf, count, stride))
-        cnt, st = _rows(count, idx), _rows(stride, idx)
     want = live & (i % st == 0)
     w_drop = _drop_idx(want, idx, count.shape[0])
     buf = [b.at[w_drop, cnt].set(c, mode="drop") for b, c in zip(buf, carry, strict=True)]
     count = count.at[w_drop].add(1, mode="drop")
     return dict(buf=buf, count=count, stride=stride)
+
+
+def _thin(K, idx, full, buf, count, stride):
+    """Samples ``idx`` whose ``K`` checkpoints are ``full`` keep every other one, at twice the
+    stride."""
+    kept = (K + 1) // 2
+    f_drop = _drop_idx(full, idx, buf[0].shape[0])
+
+    def thin(b):
+        rows = _rows(b, idx)
+        pad = jnp.zeros((rows.shape[0], K - kept) + rows.shape[2:], rows.dtype)
+        return b.at[f_drop].set(jnp.concatenate([rows[:, 0::2], pad], axis=1), mode="drop")
+
+    doubled = _rows(stride, idx) * 2
+    return (
+        [thin(b) for b in buf],
+        count.at[f_drop].set(kept, mode="drop"),
+        stride.at[f_drop].set(doubled, mode="drop"),
+    )

@@ -57,7 +57,7 @@ class Loop:
     max_steps: int
     checkpoints: int | None
     strategy: str
-    slots: int | None = None
+    slots: int | tuple[int, ...] | None = None
     stacked: int = 0
 
     # ------------------------------------------------------------------ calling the step
@@ -271,7 +271,7 @@ def trace_loop(
     max_steps: int,
     checkpoints: int | None,
     strategy: str,
-    slots: int | None,
+    slots: int | tuple[int, ...] | None,
 ) -> Traced:
     """Closure-convert the user's step (and stop predicate) into a :class:`Loop`.
 

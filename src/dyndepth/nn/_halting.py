@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -50,7 +50,7 @@ def halting(
     key: Any = None,
     strategy: Strategy = "auto",
     checkpoints: int | None = None,
-    slots: int | None = None,
+    slots: int | Sequence[int] | None = None,
 ) -> HaltingResult:
     """Iterate a step until its cumulative halting probability reaches ``threshold``.
 

@@ -16,9 +16,13 @@ What it measures, for the step ``x -> x + tanh(x @ W)`` (``B`` samples of width 
 3. **Full depth**: every sample at ``max_depth``: forward against ``lax.scan`` and
    ``value_and_grad`` against ``jax.checkpoint`` + ``lax.scan`` (nothing to save; the per-step
    overhead shows).
-4. **Compile time** (lower + compile of ``value_and_grad``, median of 3 fresh functions) of
-   ``"auto"`` (one compiled branch per slot count, listed) and of ``"auto"`` with one slot
-   count (``slots=B/2``) against ``"checkpointed"`` (one unscheduled loop), at B = 64 and 256.
+4. **Forward time per distribution** at the same sizes: the default slot counts, two
+   (``slots=(B/2, 1)``: two compiled branches, the work bound kept) and the unscheduled
+   lockstep loop (``"checkpointed"``).
+5. **Compile time** (lower + compile of ``value_and_grad``, median of 3 fresh functions) of
+   ``"auto"`` (one compiled branch per slot count, listed), with ``slots=(B/2, 1)`` and with
+   one slot count (``slots=B/2``), against ``"checkpointed"`` (one unscheduled loop): the
+   step above at B = 64 and 256, and a small transformer block (a heavier step) at B = 64.
 
 How to run (from the repository root)::
 
@@ -192,36 +196,94 @@ def time_table(batch, width, hi, repeats):
           f"{ratio('full', 'scan', 'vg'):.2f}x")  # fmt: skip
 
 
-def compile_seconds(strategy, batch, width, hi, slots=None):
-    W = jnp.zeros((width, width))
-    xs = jnp.zeros((batch, width))
+def distribution_table(batch, width, hi, repeats):
+    """Forward time on every distribution: the default slot counts, two (``B/2`` and 1: fewer
+    compiled branches), and the unscheduled lockstep loop (``"checkpointed"``), which runs
+    every sample to the batch's deepest."""
+    kw, kx = jax.random.split(jax.random.PRNGKey(1))
+    W = jax.random.normal(kw, (width, width)) / (2 * np.sqrt(width))
+    xs = jax.random.normal(kx, (batch, width))
+    kinds = {
+        "default": dict(strategy="auto"),
+        "slots=(B/2, 1)": dict(strategy="auto", slots=(batch // 2, 1)),
+        "lockstep": dict(strategy="checkpointed"),
+    }
+    fns = {k: jax.jit(lambda W, xs, ds, kw=kw: scheduled(W, xs, ds, hi, **kw))
+           for k, kw in kinds.items()}  # fmt: skip
+    calls = {}
+    for i, name in enumerate(DISTRIBUTIONS[:-1]):  # all-zero: nothing to time
+        ds = depths_of(name, jax.random.PRNGKey(i), batch, hi)
+        calls.update({(name, k): (fn, (W, xs, ds)) for k, fn in fns.items()})
+    ms = interleaved_ms(calls, repeats)
+    print(f"\n### Forward time per distribution (ms, best of {repeats} interleaved rounds): "
+          f"B={batch}, D={width}, max_depth={hi}\n")  # fmt: skip
+    print("| distribution | " + " | ".join(kinds) + " |")
+    print("|---|" + "---|" * len(kinds))
+    for name in DISTRIBUTIONS[:-1]:
+        print(f"| {name} | " + " | ".join(f"{ms[name, k]:.1f}" for k in kinds) + " |")
+
+
+SEQ, HEADS = 16, 4  # the transformer block's sequence length and heads
+
+
+def block(p, x):
+    """A pre-norm transformer block on one sample's ``(SEQ, D)`` activations: a heavier step,
+    whose compiled copies, not the loop around them, dominate compile time."""
+
+    def norm(v):
+        return (v - v.mean(-1, keepdims=True)) / jnp.sqrt(v.var(-1, keepdims=True) + 1e-5)
+
+    h = norm(x)
+    q, k, v = ((h @ p[w]).reshape(SEQ, HEADS, -1) for w in ("q", "k", "v"))
+    att = jax.nn.softmax(jnp.einsum("qhd,khd->hqk", q, k) / np.sqrt(q.shape[-1]), axis=-1)
+    x = x + jnp.einsum("hqk,khd->qhd", att, v).reshape(x.shape) @ p["o"]
+    return x + jax.nn.gelu(norm(x) @ p["up"]) @ p["down"]
+
+
+def compile_seconds(strategy, batch, width, hi, slots=None, step="tanh"):
+    if step == "tanh":
+        params, xs = jnp.zeros((width, width)), jnp.zeros((batch, width))
+        layer_of = layer
+    else:
+        shapes = dict(q=(width, width), k=(width, width), v=(width, width), o=(width, width),
+                      up=(width, 4 * width), down=(4 * width, width))  # fmt: skip
+        params = {name: jnp.zeros(shape) for name, shape in shapes.items()}
+        xs = jnp.zeros((batch, SEQ, width))
+        layer_of = lambda p: lambda x: block(p, x)  # noqa: E731
     ds = jnp.ones((batch,), jnp.int32)
+
+    def loss(p, xs, ds):
+        one = lambda x, d: dd.repeat(  # noqa: E731
+            layer_of(p), x, d, max_depth=hi, strategy=strategy, slots=slots
+        )
+        return jnp.sum(jax.vmap(one)(xs, ds) ** 2)
+
     times = []
     for _ in range(3):
         # A new function object each time: a fresh trace, lowering and compile.
-        fn = jax.value_and_grad(
-            lambda W, xs, ds: jnp.sum(scheduled(W, xs, ds, hi, strategy, slots=slots))
-        )
+        fn = jax.value_and_grad(lambda *args: loss(*args))
         t0 = time.perf_counter()
-        jax.jit(fn).lower(W, xs, ds).compile()
+        jax.jit(fn).lower(params, xs, ds).compile()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def compile_table(batches, width, hi):
-    print(f"\n### Compile time of value_and_grad (s, median of 3; D={width}, max_depth={hi})\n")
-    print(
-        "| B | slot counts | auto (scheduler) | checkpointed | ratio | auto, `slots=B/2` | ratio |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    compile_seconds("checkpointed", 4, width, hi)  # warm-up: JAX's own caches
-    for b in batches:
-        auto = compile_seconds("auto", b, width, hi)
-        base = compile_seconds("checkpointed", b, width, hi)
-        one = compile_seconds("auto", b, width, hi, slots=b // 2)
+def compile_table(rows):
+    """``rows``: ``(label, batch, width, max_depth, step)``."""
+    print("\n### Compile time of value_and_grad (s, median of 3)\n")
+    print("| step, B | checkpointed | auto: default slot counts | ratio | `slots=(B/2, 1)` | ratio "
+          "| `slots=B/2` | ratio |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    compile_seconds("checkpointed", 4, 8, 4)  # warm-up: JAX's own caches
+    for label, b, width, hi, step in rows:
+        shape = (b, width, hi)
+        base = compile_seconds("checkpointed", *shape, step=step)
+        auto = compile_seconds("auto", *shape, step=step)
+        two = compile_seconds("auto", *shape, slots=(b // 2, 1), step=step)
+        one = compile_seconds("auto", *shape, slots=b // 2, step=step)
         counts = ", ".join(map(str, slot_candidates(b)))
-        print(f"| {b} | {counts} | {auto:.2f} | {base:.2f} | {auto / base:.2f}x | {one:.2f} | "
-              f"{one / base:.2f}x |")  # fmt: skip
+        print(f"| {label}, B={b} | {base:.2f} | {auto:.2f} ({counts}) | {auto / base:.2f}x | "
+              f"{two:.2f} | {two / base:.2f}x | {one:.2f} | {one / base:.2f}x |")  # fmt: skip
 
 
 def main() -> None:
@@ -240,7 +302,13 @@ def main() -> None:
     t0 = time.perf_counter()
     work_table(batches, a.max_depth)
     time_table(a.batch, a.width, a.max_depth, a.repeats)
-    compile_table(batches[:2] if not a.quick else batches, a.width, a.max_depth)
+    distribution_table(a.batch, a.width, a.max_depth, max(1, a.repeats // 4))
+    tanh = f"x + tanh(x W), D={a.width}, max_depth={a.max_depth}"
+    rows = [(tanh, b, a.width, a.max_depth, "tanh") for b in batches[:2]]
+    rows.append((f"transformer block, L={SEQ}, D=64, max_depth=32", 64, 64, 32, "block"))
+    if a.quick:
+        rows = [(tanh, a.batch, a.width, a.max_depth, "tanh"), ("block", 8, 8, 4, "block")]
+    compile_table(rows)
     print(f"\n(whole run: {time.perf_counter() - t0:.0f} s)")
 
 

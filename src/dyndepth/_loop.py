@@ -270,8 +270,9 @@ def repeat(
     ``max_depth`` is negative, a concrete ``depth`` is out of range, ``depth`` is not a scalar,
     ``checkpoints < 1``, ``strategy`` is unknown, ``checkpoints`` is given to ``"masked"`` or
     ``"while"``, ``slots`` to a strategy other than ``"auto"``, or ``slots`` is an empty
-    sequence. ``TypeError`` for a non-int ``max_depth``/``checkpoints``/``slots`` (entry). Reverse mode of ``"while"``, and reverse over reverse of
-    ``"auto"``/``"checkpointed"``, raise a ``TypeError`` when differentiated.
+    sequence. ``TypeError`` for a non-int ``max_depth``/``checkpoints``/``slots`` (or entry of
+    it). Reverse mode of ``"while"``, and reverse over reverse of ``"auto"``/``"checkpointed"``,
+    raise a ``TypeError`` when differentiated.
     """
     _checks.callable_arg(f, "f")
     max_depth = _checks.static_nonneg_int(max_depth, "max_depth")

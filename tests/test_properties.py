@@ -148,8 +148,14 @@ class Config:
     batch: int
     max_depth: int
     checkpoints: int | None
-    slots: int | None
+    slots: int | tuple[int, ...] | None
     use_key: bool
+
+
+def slot_args(batch: int):
+    """``slots``: None, one count, or a sequence of counts (some may reach the batch)."""
+    count = st.integers(1, batch + 1)
+    return st.one_of(st.none(), count, st.lists(count, min_size=1, max_size=3).map(tuple))
 
 
 @st.composite
@@ -161,7 +167,7 @@ def configs(draw, min_depth: int = 0):
         batch=batch,
         max_depth=draw(max_depth),
         checkpoints=draw(st.sampled_from([None, 1, 2, 3, 8])),
-        slots=draw(st.one_of(st.none(), st.integers(1, batch + 1))),
+        slots=draw(slot_args(batch)),
         use_key=draw(st.booleans()),
     )
 
@@ -439,7 +445,7 @@ def mat_body(W):
 @given(
     batch=st.integers(1, 3),
     checkpoints=st.sampled_from([None, 1, 2]),
-    slots=st.one_of(st.none(), st.integers(1, 3)),
+    slots=slot_args(3),
     depth_lists=st.lists(
         st.lists(st.integers(0, 4), min_size=3, max_size=3), min_size=1, max_size=2
     ),

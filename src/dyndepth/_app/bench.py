@@ -6,7 +6,8 @@
 
 Each workload is a residual layer closing over a weight ``W`` (D x D), a batch of per-sample
 depths, per-sample keys, ``jax.vmap`` + ``jax.jit``. For every contender: forward time and
-value_and_grad time (median of repeats after a warm-up, blocking on the result), compile time
+value_and_grad time (the median of ``--repeats`` calls blocking on the result, taken in
+interleaved rounds after every function of the workload is compiled and warmed up), compile time
 apart, XLA temp memory of the compiled gradient, executed vs useful sample-steps, and the largest
 difference of outputs and gradients relative to the seed's method (which equals the plain-Python
 reference: tests check that). Ratios are against the seed's method. A compiled function whose XLA
@@ -296,16 +297,38 @@ def time_compiled(compiled, args, repeats, budget_s=3.0):
     """(median seconds, result): a warm-up call, then up to ``repeats`` timed calls.
 
     Slow functions get fewer repeats: at most ``budget_s`` seconds after the warm-up."""
+    out, n = warm_up(compiled, args, repeats, budget_s)
+    return statistics.median(_timed_calls(compiled, args, n)), out
+
+
+def warm_up(compiled, args, repeats, budget_s=3.0):
+    """(result, timed calls to make): one untimed call; then ``repeats`` timed ones, fewer for
+    a slow function (at most ``budget_s`` seconds of them)."""
     t0 = time.perf_counter()
     out = jax.block_until_ready(compiled(*args))
     warm = time.perf_counter() - t0
-    n = max(1, min(repeats, int(budget_s / max(warm, 1e-9))))
+    return out, max(1, min(repeats, int(budget_s / max(warm, 1e-9))))
+
+
+def _timed_calls(compiled, args, n):
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
         jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+    return times
+
+
+def time_in_rounds(calls, args):
+    """Median seconds of each ``(compiled, n)`` in ``calls``, the calls taking turns: round
+    ``r`` calls each function that has more than ``r`` calls to make, so that load on a shared
+    machine falls on all of them alike rather than on whichever ran during it."""
+    times = [[] for _ in calls]
+    for r in range(max((n for _, n in calls), default=0)):
+        for (compiled, n), ts in zip(calls, times, strict=True):
+            if r < n:
+                ts.extend(_timed_calls(compiled, args, 1))
+    return [statistics.median(ts) for ts in times]
 
 
 def timeit(fn, args, repeats, budget_s=3.0):
@@ -323,9 +346,10 @@ def rel_err(a, b):
 
 
 def _measure(fn, args, repeats, max_temp_bytes):
-    """Compile ``fn``; run and time it unless its XLA temp memory exceeds ``max_temp_bytes``.
+    """Compile ``fn`` and warm it up unless its XLA temp memory exceeds ``max_temp_bytes``.
 
-    Returns a dict: ``compile_s``, ``temp``, then ``s`` and ``out``, or ``note`` (not run)."""
+    Returns a dict: ``compile_s``, ``temp``, then ``compiled``, ``n`` (timed calls to make)
+    and ``out``, or ``note`` (not run)."""
     compiled, compile_s, temp = compile_fn(fn, args)
     res = dict(compile_s=compile_s, temp=temp)
     if max_temp_bytes is not None and temp is not None and temp > max_temp_bytes:
@@ -333,76 +357,100 @@ def _measure(fn, args, repeats, max_temp_bytes):
             f"not run: XLA temp {temp / 2**30:.1f} GiB > --max-temp-gib {max_temp_bytes / 2**30:g}"
         )
         return res
-    res["s"], res["out"] = time_compiled(compiled, args, repeats)
+    res["out"], res["n"] = warm_up(compiled, args, repeats)
+    res["compiled"] = compiled
     return res
 
 
 def run_workload(w: Workload, repeats: int, contenders=None, progress=print, max_temp_bytes=None):
     """Measure every contender on ``w``; returns a list of row dicts.
 
-    The correctness columns compare with the first contender that ran (the seed's method unless
-    ``max_temp_bytes`` kept it from running); each row names it in ``fwd_ref`` / ``grad_ref``."""
+    Every function is compiled and warmed up first; then they are timed in interleaved rounds
+    (:func:`time_in_rounds`). The correctness columns compare with the first contender that ran
+    (the seed's method unless ``max_temp_bytes`` kept it from running); each row names it in
+    ``fwd_ref`` / ``grad_ref``."""
     k_w, k_x, k_d, k_k = jax.random.split(jax.random.PRNGKey(0), 4)
     W = jax.random.normal(k_w, (w.dim, w.dim)) / jnp.sqrt(w.dim)
     xs = jax.random.normal(k_x, (w.batch, w.dim))
     ds = draw_depths(k_d, w)
     ks = jax.random.split(k_k, w.batch)
     args = (W, xs, ds, ks)
-    useful = int(ds.sum())
-    rows = []
-    ref_f = ref_g = None
+    rows, timed, refs = [], [], {}
     for c in contenders if contenders is not None else contenders_for(w):
         check_interrupt(f"interrupted during the {w.name} workload; nothing was written")
         if c.name.startswith("equinox") and not equinox_available():
             rows.append(dict(workload=w.name, contender=c.name, missing="not installed"))
             continue
-
-        def batched(W, xs, ds, ks, c=c, **kw):
-            layer = make_layer(W, w.layer)
-            return dyndepth.repeat_batched(
-                layer, xs, ds, max_depth=w.max_depth, keys=ks, checkpoints=c.checkpoints, **kw
-            )
-
-        def fwd(W, xs, ds, ks, c=c, batched=batched):
-            if c.batched:
-                return batched(W, xs, ds, ks)
-            return jax.vmap(lambda x, d, k: c.fn(W, x, d, k, w.max_depth, w.layer))(xs, ds, ks)
-
-        def loss(W, xs, ds, ks, fwd=fwd):
-            return jnp.mean(fwd(W, xs, ds, ks) ** 2)
-
-        progress(f"  [{w.name}] {c.name}: forward", flush=True)
-        f = _measure(fwd, args, repeats, max_temp_bytes)
-        row = dict(workload=w.name, contender=c.name, fwd_compile_s=f["compile_s"])
-        if "note" in f:
-            row["fwd_note"] = f["note"]
-        else:
-            ref_f = (c.name, f["out"]) if ref_f is None else ref_f
-            row.update(fwd_s=f["s"], fwd_rel_err=rel_err([f["out"]], [ref_f[1]]), fwd_ref=ref_f[0])
-        if c.grad:
-            progress(f"  [{w.name}] {c.name}: value_and_grad", flush=True)
-            g = _measure(jax.value_and_grad(loss, argnums=(0, 1)), args, repeats, max_temp_bytes)
-            row.update(grad_compile_s=g["compile_s"], grad_temp_bytes=g["temp"])
-            if "note" in g:
-                row["grad_note"] = g["note"]
-            else:
-                _, grads = g["out"]
-                ref_g = (c.name, grads) if ref_g is None else ref_g
-                row.update(
-                    grad_s=g["s"],
-                    grad_rel_err=rel_err(list(grads), list(ref_g[1])),
-                    grad_ref=ref_g[0],
-                )
-        if c.full:
-            row["executed"] = w.batch * w.max_depth
-        elif c.stats:
-            _, st = batched(W, xs, ds, ks, return_stats=True)
-            row["executed"] = int(st["executed_sample_steps"])
-        else:
-            row["executed"] = w.batch * int(ds.max())
-        row["useful"] = useful
-        rows.append(row)
+        run = _Run(w, c, args, repeats, max_temp_bytes, progress)
+        rows.append(run.row(refs, timed))
+    check_interrupt(f"interrupted during the {w.name} workload; nothing was written")
+    progress(f"  [{w.name}] timing, {repeats} interleaved rounds", flush=True)
+    seconds = time_in_rounds([(compiled, n) for _, _, compiled, n in timed], args)
+    for (row, key, _, _), t in zip(timed, seconds, strict=True):
+        row[key] = t
     return rows
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One contender on one workload: its forward and value_and_grad functions."""
+
+    w: Workload
+    c: Contender
+    args: tuple
+    repeats: int
+    max_temp_bytes: int | None
+    progress: Callable
+
+    def batched(self, W, xs, ds, ks, **kw):
+        layer = make_layer(W, self.w.layer)
+        return dyndepth.repeat_batched(
+            layer, xs, ds, max_depth=self.w.max_depth, keys=ks, checkpoints=self.c.checkpoints,
+            **kw,
+        )  # fmt: skip
+
+    def fwd(self, W, xs, ds, ks):
+        c, w = self.c, self.w
+        if c.batched:
+            return self.batched(W, xs, ds, ks)
+        return jax.vmap(lambda x, d, k: c.fn(W, x, d, k, w.max_depth, w.layer))(xs, ds, ks)
+
+    def loss(self, W, xs, ds, ks):
+        return jnp.mean(self.fwd(W, xs, ds, ks) ** 2)
+
+    def row(self, refs: dict, timed: list) -> dict:
+        """The row without its times; appends ``(row, key, compiled, n)`` to ``timed`` for
+        each function to time, and records in ``refs`` the first outputs (the reference)."""
+        w, c = self.w, self.c
+        row = dict(workload=w.name, contender=c.name)
+        for kind, fn in (("fwd", self.fwd), ("grad", jax.value_and_grad(self.loss, (0, 1)))):
+            if kind == "grad" and not c.grad:
+                continue
+            label = "forward" if kind == "fwd" else "value_and_grad"
+            self.progress(f"  [{w.name}] {c.name}: {label}", flush=True)
+            m = _measure(fn, self.args, self.repeats, self.max_temp_bytes)
+            row[f"{kind}_compile_s"] = m["compile_s"]
+            if kind == "grad":
+                row["grad_temp_bytes"] = m["temp"]
+            if "note" in m:
+                row[f"{kind}_note"] = m["note"]
+                continue
+            out = [m["out"]] if kind == "fwd" else list(m["out"][1])
+            refs.setdefault(kind, (c.name, out))
+            row[f"{kind}_rel_err"] = rel_err(out, refs[kind][1])
+            row[f"{kind}_ref"] = refs[kind][0]
+            timed.append((row, f"{kind}_s", m["compiled"], m["n"]))
+        row["executed"] = self.executed()
+        row["useful"] = int(self.args[2].sum())
+        return row
+
+    def executed(self) -> int:
+        w, c, (W, xs, ds, ks) = self.w, self.c, self.args
+        if c.full:
+            return w.batch * w.max_depth
+        if c.stats:
+            return int(self.batched(W, xs, ds, ks, return_stats=True)[1]["executed_sample_steps"])
+        return w.batch * int(ds.max())
 
 
 def shared_depth_rows(repeats, quick, progress=print):

@@ -6,7 +6,7 @@
 
 Each workload is a residual layer closing over a weight ``W`` (D x D), a batch of per-sample
 depths, per-sample keys, ``jax.vmap`` + ``jax.jit``. For every contender: forward time and
-value_and_grad time (the median of ``--repeats`` calls blocking on the result, taken in
+value_and_grad time (the best of ``--repeats`` calls blocking on the result, taken in
 interleaved rounds after every function of the workload is compiled and warmed up), compile time
 apart, XLA temp memory of the compiled gradient, executed vs useful sample-steps, and the largest
 difference of outputs and gradients relative to the seed's method (which equals the plain-Python
@@ -320,15 +320,16 @@ def _timed_calls(compiled, args, n):
 
 
 def time_in_rounds(calls, args):
-    """Median seconds of each ``(compiled, n)`` in ``calls``, the calls taking turns: round
-    ``r`` calls each function that has more than ``r`` calls to make, so that load on a shared
-    machine falls on all of them alike rather than on whichever ran during it."""
+    """Best seconds of each ``(compiled, n)`` in ``calls`` over its ``n`` timed calls, the
+    calls taking turns: round ``r`` calls each function that has more than ``r`` calls to make,
+    so that load on a shared machine falls on all of them alike rather than on whichever ran
+    during it, and the best of the rounds is what the code itself costs."""
     times = [[] for _ in calls]
     for r in range(max((n for _, n in calls), default=0)):
         for (compiled, n), ts in zip(calls, times, strict=True):
             if r < n:
                 ts.extend(_timed_calls(compiled, args, 1))
-    return [statistics.median(ts) for ts in times]
+    return [min(ts) for ts in times]
 
 
 def timeit(fn, args, repeats, budget_s=3.0):

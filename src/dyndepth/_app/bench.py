@@ -21,7 +21,6 @@ import dataclasses
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -293,14 +292,6 @@ def compile_fn(fn, args):
     return compiled, compile_s, temp
 
 
-def time_compiled(compiled, args, repeats, budget_s=3.0):
-    """(median seconds, result): a warm-up call, then up to ``repeats`` timed calls.
-
-    Slow functions get fewer repeats: at most ``budget_s`` seconds after the warm-up."""
-    out, n = warm_up(compiled, args, repeats, budget_s)
-    return statistics.median(_timed_calls(compiled, args, n)), out
-
-
 def warm_up(compiled, args, repeats, budget_s=3.0):
     """(result, timed calls to make): one untimed call; then ``repeats`` timed ones, fewer for
     a slow function (at most ``budget_s`` seconds of them)."""
@@ -319,24 +310,17 @@ def _timed_calls(compiled, args, n):
     return times
 
 
-def time_in_rounds(calls, args):
-    """Best seconds of each ``(compiled, n)`` in ``calls`` over its ``n`` timed calls, the
+def time_in_rounds(calls):
+    """Best seconds of each ``(compiled, args, n)`` in ``calls`` over its ``n`` timed calls, the
     calls taking turns: round ``r`` calls each function that has more than ``r`` calls to make,
     so that load on a shared machine falls on all of them alike rather than on whichever ran
     during it, and the best of the rounds is what the code itself costs."""
     times = [[] for _ in calls]
-    for r in range(max((n for _, n in calls), default=0)):
-        for (compiled, n), ts in zip(calls, times, strict=True):
+    for r in range(max((n for _, _, n in calls), default=0)):
+        for (compiled, args, n), ts in zip(calls, times, strict=True):
             if r < n:
                 ts.extend(_timed_calls(compiled, args, 1))
     return [min(ts) for ts in times]
-
-
-def timeit(fn, args, repeats, budget_s=3.0):
-    """(median seconds, compile seconds, XLA temp bytes, result) of ``jax.jit(fn)(*args)``."""
-    compiled, compile_s, temp = compile_fn(fn, args)
-    t, out = time_compiled(compiled, args, repeats, budget_s)
-    return t, compile_s, temp, out
 
 
 def rel_err(a, b):
@@ -386,7 +370,7 @@ def run_workload(w: Workload, repeats: int, contenders=None, progress=print, max
         rows.append(run.row(refs, timed))
     check_interrupt(f"interrupted during the {w.name} workload; nothing was written")
     progress(f"  [{w.name}] timing, {repeats} interleaved rounds", flush=True)
-    seconds = time_in_rounds([(compiled, n) for _, _, compiled, n in timed], args)
+    seconds = time_in_rounds([(compiled, args, n) for _, _, compiled, n in timed])
     for (row, key, _, _), t in zip(timed, seconds, strict=True):
         row[key] = t
     return rows
@@ -462,7 +446,7 @@ def shared_depth_rows(repeats, quick, progress=print):
     W = jax.random.normal(k_w, (D, D)) / jnp.sqrt(D)
     xs = jax.random.normal(k_x, (B, D))
     ks = jax.random.split(k_k, B)
-    rows = []
+    rows, timed = [], []
     for c in [c for c in CONTENDERS if c.grad]:
         if c.name.startswith("equinox") and not equinox_available():
             continue
@@ -482,19 +466,15 @@ def shared_depth_rows(repeats, quick, progress=print):
 
             progress(f"  [shared-depth] {c.name} depth {depth}", flush=True)
             a = (W, xs, jnp.asarray(depth, jnp.int32), ks)
-            f_t = timeit(fwd, a, repeats)[0]
-            g_t = timeit(jax.value_and_grad(loss), a, repeats)[0]
-            rows.append(
-                dict(
-                    contender=c.name,
-                    depth=depth,
-                    fwd_s=f_t,
-                    grad_s=g_t,
-                    batch=B,
-                    dim=D,
-                    max_depth=M,
-                )
-            )
+            row = dict(contender=c.name, depth=depth, batch=B, dim=D, max_depth=M)
+            for key, fn in (("fwd_s", fwd), ("grad_s", jax.value_and_grad(loss))):
+                compiled = compile_fn(fn, a)[0]
+                timed.append((row, key, compiled, a, warm_up(compiled, a, repeats)[1]))
+            rows.append(row)
+    progress("  [shared-depth] timing, interleaved rounds", flush=True)
+    seconds = time_in_rounds([(compiled, a, n) for _, _, compiled, a, n in timed])
+    for (row, key, *_), t in zip(timed, seconds, strict=True):
+        row[key] = t
     return rows
 
 

@@ -184,7 +184,7 @@ def _forward_rows(loop, level, store, plan, consts, cconsts, init, xs, n, kd) ->
                 ),
             )  # fmt: skip
         # Stopping steps are unknown before the loop runs: continuous batching in a quarter of
-        # the rows (or the given slots).
+        # the rows (or the given slots, the largest of several).
         slots = _schedule.refill_slots(loop.slots, rows)
         if slots >= rows:
             return _batched.forward(*args, store=store)

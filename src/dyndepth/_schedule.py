@@ -76,11 +76,15 @@ def refill_slots(slots: int | tuple[int, ...] | None, batch: int) -> int:
     return slots if isinstance(slots, int) else slots[0]
 
 
+def iterations(total: jax.Array, longest: jax.Array, slots: int) -> jax.Array:
+    """``C``, the iterations of the wrap-around schedule in ``slots`` slots: enough for the
+    ``total`` steps, and no fewer than the ``longest`` sample's (its steps run in order)."""
+    return jnp.maximum(longest, -(-total // slots))
+
+
 def executed_steps(lengths: jax.Array, slots: int) -> jax.Array:
     """Sample-steps the wrap-around schedule executes with ``slots`` slots: ``slots x C``."""
-    total = jnp.sum(lengths)
-    per_slot = jnp.maximum(jnp.max(lengths), -(-total // slots))
-    return slots * per_slot
+    return slots * iterations(jnp.sum(lengths), jnp.max(lengths), slots)
 
 
 def choose_slots(lengths: jax.Array, candidates: tuple[int, ...]) -> jax.Array:
@@ -156,7 +160,7 @@ class Wrap:
     @staticmethod
     def of(queue: Queue, S: int) -> Wrap:
         length, start, total = queue.length, queue.start, queue.total
-        C = jnp.maximum(queue.longest, (total + S - 1) // S)
+        C = iterations(total, queue.longest, S)
         end = start + length
         cut = (start // jnp.maximum(C, 1) + 1) * C
         head = jnp.where(end > cut, cut - start, length)

@@ -44,6 +44,7 @@ import numpy as np
 from jax import lax
 
 import dyndepth as dd
+from dyndepth._app.bench import time_in_rounds
 from dyndepth._schedule import slot_candidates
 
 
@@ -85,17 +86,13 @@ DISTRIBUTIONS = (
 
 def interleaved_ms(calls: dict, repeats: int) -> dict:
     """Best time (ms) of each ``label: (fn, args)`` over ``repeats`` rounds, the calls taken in
-    turn within a round: load on a shared machine then falls on all of them alike, and the
-    best of many rounds is what the code itself costs."""
+    turn within a round (``dyndepth bench``'s :func:`time_in_rounds`): load on a shared machine
+    then falls on all of them alike, and the best of many rounds is what the code itself
+    costs."""
     for fn, args in calls.values():
         jax.block_until_ready(fn(*args))  # compile and warm up
-    best = dict.fromkeys(calls, float("inf"))
-    for _ in range(repeats):
-        for label, (fn, args) in calls.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            best[label] = min(best[label], time.perf_counter() - t0)
-    return {label: 1e3 * t for label, t in best.items()}
+    seconds = time_in_rounds([(fn, args, repeats) for fn, args in calls.values()])
+    return {label: 1e3 * t for label, t in zip(calls, seconds, strict=True)}
 
 
 def layer(W):

@@ -301,13 +301,10 @@ def warm_up(compiled, args, repeats, budget_s=3.0):
     return out, max(1, min(repeats, int(budget_s / max(warm, 1e-9))))
 
 
-def _timed_calls(compiled, args, n):
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - t0)
-    return times
+def _timed_call(compiled, args) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    return time.perf_counter() - t0
 
 
 def time_in_rounds(calls):
@@ -319,8 +316,16 @@ def time_in_rounds(calls):
     for r in range(max((n for _, _, n in calls), default=0)):
         for (compiled, args, n), ts in zip(calls, times, strict=True):
             if r < n:
-                ts.extend(_timed_calls(compiled, args, 1))
+                ts.append(_timed_call(compiled, args))
     return [min(ts) for ts in times]
+
+
+def _time_rows(timed) -> None:
+    """Time every ``(row, key, compiled, args, n)`` of ``timed`` in interleaved rounds and write
+    each best time into its row under ``key``."""
+    seconds = time_in_rounds([(compiled, args, n) for _, _, compiled, args, n in timed])
+    for (row, key, *_), t in zip(timed, seconds, strict=True):
+        row[key] = t
 
 
 def rel_err(a, b):
@@ -370,9 +375,7 @@ def run_workload(w: Workload, repeats: int, contenders=None, progress=print, max
         rows.append(run.row(refs, timed))
     check_interrupt(f"interrupted during the {w.name} workload; nothing was written")
     progress(f"  [{w.name}] timing, {repeats} interleaved rounds", flush=True)
-    seconds = time_in_rounds([(compiled, args, n) for _, _, compiled, n in timed])
-    for (row, key, _, _), t in zip(timed, seconds, strict=True):
-        row[key] = t
+    _time_rows(timed)
     return rows
 
 
@@ -404,7 +407,7 @@ class _Run:
         return jnp.mean(self.fwd(W, xs, ds, ks) ** 2)
 
     def row(self, refs: dict, timed: list) -> dict:
-        """The row without its times; appends ``(row, key, compiled, n)`` to ``timed`` for
+        """The row without its times; appends ``(row, key, compiled, args, n)`` to ``timed`` for
         each function to time, and records in ``refs`` the first outputs (the reference)."""
         w, c = self.w, self.c
         row = dict(workload=w.name, contender=c.name)
@@ -424,7 +427,7 @@ class _Run:
             refs.setdefault(kind, (c.name, out))
             row[f"{kind}_rel_err"] = rel_err(out, refs[kind][1])
             row[f"{kind}_ref"] = refs[kind][0]
-            timed.append((row, f"{kind}_s", m["compiled"], m["n"]))
+            timed.append((row, f"{kind}_s", m["compiled"], self.args, m["n"]))
         row["executed"] = self.executed()
         row["useful"] = int(self.args[2].sum())
         return row
@@ -471,10 +474,8 @@ def shared_depth_rows(repeats, quick, progress=print):
                 compiled = compile_fn(fn, a)[0]
                 timed.append((row, key, compiled, a, warm_up(compiled, a, repeats)[1]))
             rows.append(row)
-    progress("  [shared-depth] timing, interleaved rounds", flush=True)
-    seconds = time_in_rounds([(compiled, a, n) for _, _, compiled, a, n in timed])
-    for (row, key, *_), t in zip(timed, seconds, strict=True):
-        row[key] = t
+    progress(f"  [shared-depth] timing, {repeats} interleaved rounds", flush=True)
+    _time_rows(timed)
     return rows
 
 

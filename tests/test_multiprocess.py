@@ -5,18 +5,25 @@ A training step with per-sample depths (``jax.vmap(dyndepth.repeat)`` and
 ``dyndepth.repeat_batched``, keyed dropout steps) over the 4-device mesh, batch split over
 ``data`` with ``Auto`` axes under plain ``jit``, gives the value and gradient that one process
 computes alone.
+
+Joining a run that does not start (a coordinator that never answers, a peer that never joins)
+ends within ``--coordinator-timeout`` with a one-line error naming the address, says what it
+waits for meanwhile, and stops at Ctrl-C. Every address here is on the loopback interface.
 """
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from helpers import simulated_devices_env
 
 import dyndepth as dd
@@ -56,6 +63,7 @@ WORKER = textwrap.dedent(
     jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2,
                                process_id=int(sys.argv[2]))
     import numpy as np
+import pytest
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     sys.path.insert(0, sys.argv[3])
     from test_multiprocess import losses, problem
@@ -118,3 +126,86 @@ def test_two_processes_match_one():
         scale = float(jnp.max(jnp.abs(grad)))
         np.testing.assert_allclose(got[name]["grad"], grad, rtol=1e-5, atol=1e-6 * scale)
         assert got[name]["all_gathers"] == 0, got[name]
+
+
+# ----------------------------------------------------------------------------- joining the run
+
+
+def _join(process_id: int, address: str, *extra: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "dyndepth", "demo", "--quick", "--coordinator", address,
+            "--num-processes", "2", "--process-id", str(process_id), *extra]  # fmt: skip
+    env = simulated_devices_env(1, JAX_PLATFORMS="cpu")
+    return subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert lines, "nothing on stderr"
+    assert not [ln for ln in lines if "Traceback" in ln or "Check failure" in ln], err
+    return lines[-1]
+
+
+@pytest.fixture
+def silent_listener():
+    """A loopback address that accepts TCP connections (the kernel completes them) and never
+    answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        yield f"127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("where", ["nothing listening", "silent listener", "peer never joins"])
+def test_a_run_that_never_starts_ends_with_one_line_naming_the_address(where, request):
+    if where == "silent listener":
+        process_id, address = 1, request.getfixturevalue("silent_listener")
+        why = "accepts connections, but no JAX coordinator answered"
+    elif where == "nothing listening":
+        process_id, address = 1, f"127.0.0.1:{_free_port()}"
+        why = "nothing accepts connections there"
+    else:  # process 0 starts the coordinator; process 1 never comes
+        process_id, address = 0, f"127.0.0.1:{_free_port()}"
+        why = "not all of the other 1 process(es) joined"
+    proc = _join(process_id, address, "--coordinator-timeout", "3")
+    out, err = proc.communicate(timeout=60)  # JAX's own limit would be 63 s, then an abort
+    assert proc.returncode == 1, err
+    line = _error_line(err)
+    assert line.startswith(f"dyndepth demo: error: process {process_id} of 2 could not join"), err
+    assert f"--coordinator {address} within 3 s" in line and why in line, line
+    assert "waiting for" in err and address in err.splitlines()[0], err  # progress first
+    assert out == "", out  # no training started
+
+
+def test_ctrl_c_stops_the_wait_for_the_coordinator():
+    address = f"127.0.0.1:{_free_port()}"
+    proc = _join(1, address)  # the default time limit: 300 s
+    try:
+        first = proc.stderr.readline()  # the first progress line, after 2 s of waiting
+        assert "waiting for the coordinator (process 0) at " + address in first, first
+        proc.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert time.monotonic() - start < 20
+    line = _error_line(err)
+    assert line == (
+        f"dyndepth demo: process 1 of 2: stopped while waiting for the coordinator at "
+        f"{address}; nothing was started"
+    ), err
+
+
+def test_coordinator_timeout_needs_a_multi_process_run(capsys):
+    from dyndepth._app import cli
+
+    assert cli.main(["demo", "--coordinator-timeout", "5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "dyndepth demo: error: --coordinator-timeout applies to a multi-process run "
+        "(with --coordinator)"
+    )
+    assert cli.main(["demo", "--coordinator-timeout", "0"]) == 2
+    assert "argument --coordinator-timeout:" in capsys.readouterr().err

@@ -7,6 +7,7 @@ The library never imports this module.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .args import Interrupted, Parser, SigintGuard, int_at_least
@@ -27,13 +28,20 @@ def _demo(args: argparse.Namespace) -> int:
             )
             return 2
         return _seed_demo(args)
+    error = processes.check_flags(args)
+    if error:
+        print(f"dyndepth demo: error: {error}", file=sys.stderr)
+        return 2
     if processes.given(args):
-        error = processes.check_flags(args)
-        if error:
-            print(f"dyndepth demo: error: {error}", file=sys.stderr)
-            return 2
         try:
             processes.initialize(args)  # before anything else touches JAX
+        except (processes.JoinFailed, Interrupted) as e:
+            # JAX's join is still blocked in a thread that nothing can stop, and its exit
+            # handlers would wait for it: leave at once.
+            failed = isinstance(e, processes.JoinFailed)
+            print(f"dyndepth demo: {'error: ' if failed else ''}{e}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1 if failed else 130)
         except RuntimeError as e:  # cannot reach or start the coordinator; JAX already in use
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             print(

@@ -16,14 +16,20 @@ process 0 alone would exceed).
 from __future__ import annotations
 
 import argparse
+import socket
+import sys
+import threading
+import time
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from .args import int_at_least
+from .args import check_interrupt, int_at_least, positive_float
 
 FLAGS = ("--coordinator", "--num-processes", "--process-id")
+# Seconds a process waits to join the run (JAX's own limit, after which it aborts, is 300).
+DEFAULT_TIMEOUT = 300.0
 
 
 def host_port(text):
@@ -53,6 +59,13 @@ def add_arguments(p):
         metavar="I",
         help="this process, 0..P-1; process 0 alone prints and writes the output folder",
     )
+    p.add_argument(
+        "--coordinator-timeout",
+        type=positive_float,
+        metavar="SECONDS",
+        help=f"with --coordinator: give up joining the run after SECONDS (default "
+        f"{DEFAULT_TIMEOUT:g}), with a one-line error",
+    )
 
 
 def given(a) -> list[str]:
@@ -64,6 +77,8 @@ def check_flags(a) -> str | None:
     """The one-line error for an incomplete or inconsistent set of the three flags, or None."""
     present = given(a)
     missing = [f for f in FLAGS if f not in present]
+    if getattr(a, "coordinator_timeout", None) is not None and not present:
+        return "--coordinator-timeout applies to a multi-process run (with --coordinator)"
     if missing and present:
         return f"{', '.join(present)} needs {' and '.join(missing)} (the three flags go together)"
     if not missing and a.process_id >= a.num_processes:
@@ -74,14 +89,98 @@ def check_flags(a) -> str | None:
     return None
 
 
-def initialize(a) -> None:
-    """Join the run. Must come before any other use of JAX in the process: the backends read
-    the distributed client when they start."""
+class JoinFailed(Exception):
+    """The process could not join the run; the message is one line naming the address."""
+
+
+def initialize(a, *, progress_every: float = 10.0, first_progress: float = 2.0) -> None:
+    """Join the run: ``jax.distributed.initialize``, within ``--coordinator-timeout`` seconds.
+    Must come before any other use of JAX in the process: the backends read the distributed
+    client when they start.
+
+    JAX's own wait cannot be stopped: a coordinator that never answers blocks it, Ctrl-C does
+    not reach Python, and at its time limit JAX aborts the process with a stack trace. So the
+    call runs in a thread of its own (with a time limit past ours) while this thread waits:
+    it says on stderr what it waits for (after ``first_progress`` seconds, then every
+    ``progress_every``), stops at Ctrl-C (raises :class:`~dyndepth._app.args.Interrupted`),
+    and after ``--coordinator-timeout`` seconds raises :class:`JoinFailed`. Either way the
+    blocked thread remains: the caller must end the process with ``os._exit`` (see
+    :func:`dyndepth._app.cli.main`), since JAX's exit handlers would wait for it.
+    """
     # Collectives between CPU devices of different processes need an implementation; gloo comes
     # with jaxlib. The setting concerns the CPU backend only, so it is harmless on accelerators.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=a.coordinator, num_processes=a.num_processes, process_id=a.process_id
+    timeout = getattr(a, "coordinator_timeout", None) or DEFAULT_TIMEOUT
+    done: list[BaseException | None] = []
+
+    def join():
+        try:
+            jax.distributed.initialize(
+                coordinator_address=a.coordinator,
+                num_processes=a.num_processes,
+                process_id=a.process_id,
+                initialization_timeout=int(timeout) + 60,  # ours comes first
+            )
+            done.append(None)
+        except BaseException as e:  # reported by the waiting thread
+            done.append(e)
+
+    who = f"process {a.process_id} of {a.num_processes}"
+    thread = threading.Thread(target=join, name="dyndepth-join", daemon=True)
+    start = time.monotonic()
+    thread.start()
+    next_note = first_progress
+    while True:
+        thread.join(0.1)
+        if done:
+            if done[0] is not None:
+                raise done[0]
+            return
+        waited = time.monotonic() - start
+        check_interrupt(
+            f"{who}: stopped while waiting for the coordinator at {a.coordinator}; "
+            "nothing was started"
+        )
+        if waited >= timeout:
+            raise JoinFailed(
+                f"{who} could not join the run at --coordinator {a.coordinator} within "
+                f"{timeout:g} s (--coordinator-timeout): {_diagnosis(a)}"
+            )
+        if waited >= next_note:
+            print(
+                f"dyndepth demo: {who}: waiting for {_waiting_for(a)} at {a.coordinator} "
+                f"({waited:.0f} s of {timeout:g} s; Ctrl-C to stop)",
+                file=sys.stderr,
+                flush=True,
+            )
+            next_note += progress_every
+
+
+def _waiting_for(a) -> str:
+    if a.process_id == 0:
+        return f"the other {a.num_processes - 1} process(es) to join"
+    return "the coordinator (process 0)"
+
+
+def _diagnosis(a) -> str:
+    """Why the join may have failed, from what a plain TCP connection finds at the address."""
+    if a.process_id == 0:
+        return (
+            f"not all of the other {a.num_processes - 1} process(es) joined (are they started, "
+            "with the same --coordinator and --num-processes?)"
+        )
+    host, _, port = a.coordinator.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2.0):
+            pass
+    except OSError as e:
+        return (
+            f"nothing accepts connections there ({e.strerror or type(e).__name__}; is process 0 "
+            "started, and is the address right?)"
+        )
+    return (
+        "the address accepts connections, but no JAX coordinator answered, or not all "
+        f"{a.num_processes} processes joined"
     )
 
 

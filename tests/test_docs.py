@@ -6,9 +6,16 @@ block whose preceding line is a marker comment runs differently:
 
 - ``<!-- test: skip (reason) -->``: not run; the reason is required (the test fails without
   one). Kept for what the suite cannot do, e.g. several processes.
+- A ```` ```text ```` block right after a code block is what that code prints: the test
+  compares them, numbers to a relative 1e-3 (``outputs_match``).
 - ``<!-- test: devices=8 -->``: run in a fresh Python process with
   ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (8 simulated CPU devices), together
   with the page's other blocks so marked, in their order, in one namespace of their own.
+
+Every gradient the code computes is checked (:class:`GradientGuard`): a concrete result of
+``jax.grad``, ``jax.value_and_grad``, ``jax.jacrev`` or ``jax.hessian`` (and of ``jit`` or ``vmap``
+of one) must be finite and not zero everywhere, so that an example cannot pass by comparing two
+zero gradients, or print ``inf``.
 
 Code runs under JAX's default (standard) dtype promotion, as a reader's does, not the suite's
 strict one. Docstring examples are the indented blocks after a line ending in ``Example::`` or
@@ -18,8 +25,11 @@ strict one. Docstring examples are the indented blocks after a line ending in ``
 
 from __future__ import annotations
 
+import contextlib
 import doctest
+import functools
 import inspect
+import io
 import os
 import re
 import subprocess
@@ -46,6 +56,7 @@ class Block:
     line: int  # 1-based line of the first code line
     code: str
     marker: str  # "", "skip (...)" or "devices=8"
+    output: str | None = None  # the ```text block right after it: what the code prints
 
     def compiled(self):
         # Padded with newlines so that tracebacks give the line number in the page.
@@ -65,6 +76,15 @@ def blocks(page: Path) -> list[Block]:
             m = _MARKER.match(prev.strip())
             found.append(Block(page, i + 2, "\n".join(lines[i + 1 : j]) + "\n",
                                m.group(1) if m else ""))  # fmt: skip
+            k = j + 1
+            while k < len(lines) and not lines[k].strip():
+                k += 1
+            if k < len(lines) and lines[k].strip() == "```text":
+                end = k + 1
+                while lines[end].strip() != "```":
+                    end += 1
+                found[-1].output = "\n".join(lines[k + 1 : end]) + "\n"
+                j = end
             i = j
         i += 1
     return found
@@ -79,6 +99,120 @@ def _check_markers(page_blocks: list[Block]) -> None:
             )
 
 
+class GradientGuard:
+    """While installed, every concrete gradient that ``jax.grad``, ``jax.value_and_grad``,
+    ``jax.jacrev`` or ``jax.hessian`` returns (directly, or through ``jax.jit`` or ``jax.vmap`` of
+    such a function) is checked: every floating leaf finite, and not every entry of every leaf
+    zero. Results inside a trace (tracers) are left to the outer call. ``checked`` counts the
+    gradients checked."""
+
+    def __init__(self):
+        self.checked = 0
+        self._saved: dict[str, object] = {}
+
+    def check(self, grads, what: str) -> None:
+        leaves = [x for x in jax.tree_util.tree_leaves(grads) if hasattr(x, "dtype")]
+        leaves = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+        if not leaves or any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return
+        bad = [x for x in leaves if not bool(jnp.all(jnp.isfinite(x)))]
+        assert not bad, f"{what} returned a non-finite gradient: {bad[0]}"
+        assert any(bool(jnp.any(x != 0)) for x in leaves), (
+            f"{what} returned a gradient that is zero everywhere (does the function use the "
+            "argument it is differentiated with respect to?)"
+        )
+        self.checked += 1
+
+    def _checking(self, fn, pick, what):
+        """``fn``, whose results' ``pick(out)`` is checked; attributes (``.lower``) pass through."""
+        guard = self
+
+        class Checked:
+            _pick, _what = staticmethod(pick), what
+
+            def __call__(self, *args, **kwargs):
+                out = fn(*args, **kwargs)
+                guard.check(pick(out), what)
+                return out
+
+            def __getattr__(self, name):
+                return getattr(fn, name)
+
+        checked = Checked()
+        functools.update_wrapper(checked, fn)  # the signature, for static_argnums and names
+        return checked
+
+    def install(self) -> None:
+        def gradient_of(name):
+            original = self._saved.setdefault(name, getattr(jax, name))
+
+            def differentiate(fun, *args, **kwargs):
+                aux = kwargs.get("has_aux", False)
+                if name == "value_and_grad":  # ((value, aux), grad) or (value, grad)
+                    pick = lambda out: out[1]
+                else:  # (grad, aux) or grad
+                    pick = (lambda out: out[0]) if aux else (lambda out: out)
+                return self._checking(original(fun, *args, **kwargs), pick, f"jax.{name}")
+
+            return differentiate
+
+        def transform_of(name):
+            original = self._saved.setdefault(name, getattr(jax, name))
+
+            def transform(fun, *args, **kwargs):
+                out = original(fun, *args, **kwargs)
+                if hasattr(type(fun), "_what"):  # jit or vmap of a gradient: check it too
+                    return self._checking(out, fun._pick, f"jax.{name} of {fun._what}")
+                return out
+
+            return transform
+
+        for name in ("grad", "value_and_grad", "jacrev", "hessian"):
+            setattr(jax, name, gradient_of(name))
+        for name in ("jit", "vmap"):
+            setattr(jax, name, transform_of(name))
+
+    def uninstall(self) -> None:
+        for name, original in self._saved.items():
+            setattr(jax, name, original)
+        self._saved.clear()
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def outputs_match(got: str, want: str, rtol: float = 1e-3) -> bool:
+    """Whether printed text ``got`` is ``want``, up to whitespace at line ends and numbers
+    within ``rtol`` (float32 sums may differ in the last digits between machines)."""
+    got_lines = [ln.rstrip() for ln in got.strip().splitlines()]
+    want_lines = [ln.rstrip() for ln in want.strip().splitlines()]
+    if len(got_lines) != len(want_lines):
+        return False
+    for g, w in zip(got_lines, want_lines, strict=True):
+        if _NUMBER.sub("#", g) != _NUMBER.sub("#", w):
+            return False
+        for a, b in zip(_NUMBER.findall(g), _NUMBER.findall(w), strict=True):
+            if abs(float(a) - float(b)) > rtol * max(abs(float(b)), 1e-12):
+                return False
+    return True
+
+
+def _run_block(b: Block, namespace: dict) -> None:
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(b.compiled(), namespace)
+    sys.stdout.write(printed.getvalue())
+    if b.output is not None:
+        assert outputs_match(printed.getvalue(), b.output), (
+            f"{b.page.name}:{b.line}: the code printed\n{printed.getvalue()}\nbut the page "
+            f"shows\n{b.output}"
+        )
+
+
+def _computes_gradients(code: str) -> bool:
+    return bool(re.search(r"\bjax\.(grad|value_and_grad|jacrev|hessian)\(", code))
+
+
 @pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
 def test_page_code_runs(page):
     page_blocks = blocks(page)
@@ -88,16 +222,31 @@ def test_page_code_runs(page):
     if not here and not multi:
         pytest.skip(f"{page.name} has no python blocks to run")
     namespace = {"__name__": f"docs_{page.stem}"}
-    with jax.numpy_dtype_promotion("standard"):
-        for b in here:
-            exec(b.compiled(), namespace)
+    guard = GradientGuard()
+    guard.install()
+    try:
+        with jax.numpy_dtype_promotion("standard"):
+            for b in here:
+                _run_block(b, namespace)
+    finally:
+        guard.uninstall()
+    if any(_computes_gradients(b.code) for b in here):
+        assert guard.checked, f"{page.name} computes gradients, but none was checked"
     if multi:
         _run_on_8_devices(page, multi)
 
 
 def _run_on_8_devices(page: Path, multi: list[Block]) -> None:
     script = "\n".join(
-        f"exec(compile({chr(10) * (b.line - 1) + b.code!r}, {str(page)!r}, 'exec'))" for b in multi
+        [
+            f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r})",
+            "from test_docs import GradientGuard; guard = GradientGuard(); guard.install()",
+            *(
+                f"exec(compile({chr(10) * (b.line - 1) + b.code!r}, {str(page)!r}, 'exec'))"
+                for b in multi
+            ),  # fmt: skip
+            f"assert guard.checked or not {any(_computes_gradients(b.code) for b in multi)}",
+        ]
     )
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
@@ -157,6 +306,35 @@ def test_docstring_examples_run(name):
             runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
             result = runner.run(test)
             assert result.failed == 0, f"{result.failed} doctest(s) of {name} failed"
+
+
+def test_gradient_guard_catches_zero_and_non_finite_gradients():
+    """The two mistakes it exists for: a loss that ignores its argument (both gradients of a
+    comparison exactly zero) and a loss that overflows."""
+    W = jnp.ones((3, 3))
+    guard = GradientGuard()
+    guard.install()
+    try:
+        ignores = lambda V: jnp.sum(jnp.tanh(W @ jnp.ones(3)))  # closes over W, not V
+        with pytest.raises(AssertionError, match="zero everywhere"):
+            jax.jit(jax.grad(ignores))(W)
+        overflows = lambda V: jnp.sum(jnp.exp(100 * V))
+        with pytest.raises(AssertionError, match="non-finite"):
+            jax.value_and_grad(overflows)(W)
+        with pytest.raises(AssertionError, match="non-finite"):
+            jax.vmap(jax.grad(lambda v: jnp.sum(jnp.exp(100 * v))))(W)
+        jax.grad(lambda V: jnp.sum(V**2))(W)  # a good one passes and counts
+        assert guard.checked == 1
+    finally:
+        guard.uninstall()
+    assert jax.grad(ignores)(W).sum() == 0  # uninstalled: nothing is checked
+
+
+def test_printed_output_is_compared():
+    assert outputs_match("loss 5.5568, norm 3.5667\n", "loss 5.557, norm 3.567")
+    assert not outputs_match("loss 5.6, norm 3.5667", "loss 5.5568, norm 3.5667")
+    assert not outputs_match("loss 5.5568", "loss 5.5568\n(32, 64)")
+    assert not outputs_match("gain 5.5568", "loss 5.5568")
 
 
 def test_the_runner_finds_blocks():

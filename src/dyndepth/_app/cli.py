@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from importlib.metadata import version as _version
 
 from .args import Interrupted, Parser, SigintGuard, int_at_least
 

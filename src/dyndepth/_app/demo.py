@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+import zipfile
 
 import jax
 import numpy as np
@@ -179,12 +180,13 @@ def run_demo(cfg, out_dir, *, control=False, devices=1, log=None):
     log("")
     for label, f in training.items():
         if "step_seconds_per_iteration" in f:
-            log(
-                f"[{label}] training {f['train_seconds']:.0f} s; step time = "
-                f"{1e3 * f['step_seconds_fixed']:.1f} ms + "
-                f"{1e3 * f['step_seconds_per_iteration']:.2f}"
-                " ms x (n + k)"
+            fixed, per = f["step_seconds_fixed"], f["step_seconds_per_iteration"]
+            fit = (
+                f"step time = {1e3 * fixed:.1f} ms + {1e3 * per:.2f} ms x (n + k)"
+                if fixed >= 0 and per >= 0
+                else "step times too noisy to fit a fixed and a per-iteration cost"
             )
+            log(f"[{label}] training {f['train_seconds']:.0f} s; {fit}")
     for label, f in training.items():
         if devices == 1 and not (cfg.per_sample and label == "alpha=1"):
             continue  # one device, per-batch depth: 100% by construction (still in the JSON)
@@ -248,7 +250,14 @@ def add_arguments(p):
     )
     p.add_argument("--steps", type=int_at_least(1), help=f"training steps (default {d.steps})")
     p.add_argument("--lr", type=positive_float, help=f"peak learning rate (default {d.lr})")
-    p.add_argument("--alpha", type=float, choices=[0.0, 1.0], default=d.alpha)
+    p.add_argument(
+        "--alpha",
+        type=float,
+        choices=[0.0, 1.0],
+        default=d.alpha,
+        help=f"1: the progressive loss (random n iterations without gradient, then k with); "
+        f"0: the control, k = M iterations with gradient at every step (default {d.alpha:g})",
+    )
     p.add_argument("--per-sample", action="store_true", help="per-sample n and k (scheduler)")
     p.add_argument(
         "--control",
@@ -266,7 +275,12 @@ def add_arguments(p):
         "devices with XLA_FLAGS=--xla_force_host_platform_device_count=N",
     )
     processes.add_arguments(p)
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=d.seed,
+        help=f"random seed of the parameters, data and depths (default {d.seed})",
+    )
     p.add_argument(
         "--eval-lengths",
         type=int_list(1),
@@ -322,8 +336,18 @@ def main_demo(a):
     except ValueError as e:
         print(f"dyndepth demo: error: {e}", file=sys.stderr)
         return 2
-    if a.batch is None and devices > 1 and is_primary():
-        print(f"batch {cfg.batch} (the default, rounded up to a multiple of --devices {devices})")
+    default_batch = QUICK.get("batch", Config().batch) if a.quick else Config().batch
+    if a.batch is None and cfg.batch != default_batch and is_primary():
+        print(
+            f"batch {cfg.batch} (the default {default_batch}, rounded up to a multiple of "
+            f"--devices {devices})"
+        )
+    if a.quick and is_primary():
+        print(
+            "--quick: a smoke run (tiny model, few steps) that checks the demo end to end; it "
+            "trains far too little to learn the task, so accuracies near 0%, 'did not "
+            "converge' and noisy timings are expected (run without --quick for the demo)"
+        )
     out = a.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     try:
         run_demo(cfg, out, control=a.control, devices=devices)
@@ -335,7 +359,12 @@ def main_demo(a):
 
 def add_eval_arguments(ev):
     ev.add_argument("--checkpoint", required=True, help="a DIR/alpha=1.ckpt.npz file")
-    ev.add_argument("--lengths", type=int_list(1), default=(32, 64, 128, 512))
+    ev.add_argument(
+        "--lengths",
+        type=int_list(1),
+        default=(32, 64, 128, 512),
+        help="test string lengths in bits, comma-separated (default 32,64,128,512)",
+    )
     ev.add_argument(
         "--iters",
         type=int_at_least(1),
@@ -359,6 +388,13 @@ def add_eval_arguments(ev):
 
 
 def main_eval(a):
+    if os.path.isfile(a.checkpoint) and not zipfile.is_zipfile(a.checkpoint):
+        print(
+            f"dyndepth eval: error: argument --checkpoint: {a.checkpoint} is not a checkpoint "
+            "(not an .npz archive); pass a DIR/alpha=1.ckpt.npz file that dyndepth demo wrote",
+            file=sys.stderr,
+        )
+        return 2
     try:
         params, _, step, cfg = load_checkpoint(a.checkpoint)
     except BadCheckpoint as e:

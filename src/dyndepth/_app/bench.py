@@ -1,4 +1,4 @@
-"""Side-by-side benchmarks: the seed's scan + cond method, plain JAX loops and dyndepth, one run.
+"""Side-by-side benchmarks: the scan + cond baseline, plain JAX loops and dyndepth, one run.
 
     dyndepth bench [WORKLOAD ...] [--quick] [--repeats 5] [--json FILE] [--plot PNG]
                    [--max-temp-gib 16]
@@ -9,8 +9,10 @@ depths, per-sample keys, ``jax.vmap`` + ``jax.jit``. For every contender: forwar
 value_and_grad time (the best of ``--repeats`` calls blocking on the result, taken in
 interleaved rounds after every function of the workload is compiled and warmed up), compile time
 apart, XLA temp memory of the compiled gradient, executed vs useful sample-steps, and the largest
-difference of outputs and gradients relative to the seed's method (which equals the plain-Python
-reference: tests check that). Ratios are against the seed's method. A compiled function whose XLA
+difference of outputs and gradients relative to the scan + cond baseline (which equals the
+plain-Python reference: tests check that). Ratios are against that baseline, the first row ("seed
+scan+cond": the ``lax.scan`` over ``max_depth`` steps with ``lax.cond(step < depth, layer,
+identity)`` of the original request). A compiled function whose XLA
 temp memory exceeds ``--max-temp-gib`` is not run; its row says so and still shows the memory.
 """
 
@@ -216,7 +218,15 @@ def quick(w: Workload) -> Workload:
 
 
 WORKLOADS = {
-    "seed": Workload("seed", 32, 64, 100, "uniform", "dropout", "the seed's exact workload"),
+    "seed": Workload(
+        "seed",
+        32,
+        64,
+        100,
+        "uniform",
+        "dropout",
+        "the README quickstart's sizes, its dropout layer",
+    ),
     "core": Workload("core", 256, 64, 100, "uniform", "tanh", "B=256, D=64 tanh residual"),
     "per-sample": Workload(
         "per-sample",
@@ -225,7 +235,7 @@ WORKLOADS = {
         100,
         "uniform",
         "dropout",
-        "the seed's workload, larger: B=256, D=256, its dropout layer",
+        "the quickstart's dropout layer, larger: B=256, D=256",
     ),
     "long-tail": Workload(
         "long-tail",
@@ -253,17 +263,18 @@ WORKLOADS = {
         "tanh-dropout",
         "a layer closing over a 1024 x 1024 weight (4 MiB)",
         notes=(
-            "W is shared by the batch. Under vmap the seed's `lax.cond` becomes a select over "
+            "W is shared by the batch. Under vmap the baseline's `lax.cond` becomes a select over "
             "the batch and W is broadcast to every sample (B x 4 MiB, in the forward pass too), "
             "and the gradient keeps such a copy for every step; `jax.checkpoint` drops the "
             "stored copies but still computes with them. Equinox's loop keeps a W gradient per "
             "sample (B x 4 MiB); the dyndepth loops under `grad` of `vmap` (and "
             "`repeat_batched`) sum the W gradient inside their backward loop.",
-            "Sizes are kept small (B=32, max_depth=16) so that the seed's method still runs: "
+            "Sizes are kept small (B=32, max_depth=16) so that the scan + cond baseline still "
+            "runs: "
             "at B=64, max_depth=32 its value_and_grad took 34-56 s per call on the 2-core "
             "development machine and needed 10.5 GiB of XLA temp memory.",
             "rel. diff is about 5e-6 here, not 1e-7: float32 rounding of 1024-term dot "
-            "products. The seed's method and `repeat_batched` are both 5-6e-6 away from a "
+            "products. The scan + cond baseline and `repeat_batched` are both 5-6e-6 away from a "
             "float64 plain-Python loop with the same dropout masks.",
         ),
     ),
@@ -369,7 +380,11 @@ def run_workload(w: Workload, repeats: int, contenders=None, progress=print, max
     for c in contenders if contenders is not None else contenders_for(w):
         check_interrupt(f"interrupted during the {w.name} workload; nothing was written")
         if c.name.startswith("equinox") and not equinox_available():
-            rows.append(dict(workload=w.name, contender=c.name, missing="not installed"))
+            rows.append(
+                dict(
+                    workload=w.name, contender=c.name, missing="not installed (pip install equinox)"
+                )
+            )
             continue
         run = _Run(w, c, args, repeats, max_temp_bytes, progress)
         rows.append(run.row(refs, timed))
@@ -494,8 +509,8 @@ def table(rows, notes=()):
     """The markdown table of ``run_workload``'s rows, then ``notes`` as a list."""
     base = rows[0]
     out = [
-        "| contender | forward ms | vs seed | value_and_grad ms | vs seed | grad temp MiB "
-        "| vs seed | executed / useful sample-steps | compile fwd / grad s "
+        "| contender | forward ms | vs scan+cond | value_and_grad ms | vs scan+cond "
+        "| grad temp MiB | vs scan+cond | executed / useful sample-steps | compile fwd / grad s "
         "| rel. diff fwd / grad |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -687,7 +702,11 @@ def main(argv=None):
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("workloads", nargs="*", help="workloads to run (default: all, listed below)")
-    p.add_argument("--quick", action="store_true", help="tiny shapes, for tests")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run at tiny shapes (its times say nothing about speed)",
+    )
     p.add_argument("--repeats", type=int_at_least(1), default=5, help="timing repeats (>= 1)")
     p.add_argument("--json", metavar="FILE", help="also write all rows as JSON")
     p.add_argument(
@@ -717,6 +736,11 @@ def main(argv=None):
     chosen = a.workloads or names
     print(header())
     print(f"command: dyndepth bench {' '.join(argv if argv is not None else sys.argv[1:])}")
+    if a.quick:
+        print(
+            "--quick: a smoke run at tiny shapes, to check that every contender runs; its "
+            "times are noise and say nothing about speed (run without --quick for figures)"
+        )
     report = {"header": header(), "workloads": {}, "meta": {}}
     max_temp = a.max_temp_gib * 2**30
     for name in chosen:

@@ -105,6 +105,11 @@ def _parser() -> argparse.ArgumentParser:
     from dyndepth._app import launch as launch_mod
 
     parser = Parser(prog="dyndepth", description="dyndepth demo and benchmarks")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"dyndepth {_version('dyndepth')} (jax {_version('jax')})",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",

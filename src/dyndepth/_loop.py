@@ -203,8 +203,8 @@ def repeat(
                                                                       is done (``B *
                                                                       max(depth)``)
       ``"masked"``        everything, every order (plain ``lax``)     ``max_depth`` steps
-                                                                      always (the seed's scan +
-                                                                      cond); under ``vmap``,
+                                                                      always (the scan + cond
+                                                                      baseline); under ``vmap``,
                                                                       shared parameters are
                                                                       broadcast to the batch
       ``"while"``         jit, vmap, jvp, jacfwd; reverse mode        ``depth`` steps, nothing
@@ -222,7 +222,7 @@ def repeat(
       ``"masked"`` whatever the strategy (values and gradients of the lockstep loop, cost
       ``max_depth``). Under ``jit`` with the vmapped batch sharded over ``Explicit`` mesh
       axes, ``"auto"`` and ``"checkpointed"`` run one loop per device on its shard, inside a
-      ``jax.shard_map`` they enter themselves (README, "Scaling out").
+      ``jax.shard_map`` they enter themselves (see the "Scaling out" guide).
     - ``checkpoints``: ``None`` stores something for every step. Unbatched (outside ``vmap``
       and ``shard_map``), the step's *residuals*, the values its vjp needs, as ``lax.scan``
       stores them, except that parameters the step closes over (and, in ``dyndepth.nn``, the
@@ -236,7 +236,7 @@ def repeat(
       into a buffer of ``S`` carries, ``S`` the smallest power of two with
       ``ceil(max_depth / S) <= K``. Memory: ``K + S`` carries; step evaluations: at most
       ``3 * depth`` (exactly ``2 * depth`` when ``depth <= K``). ``None`` with ``max_depth``
-      carries over ``dyndepth._loop.STORED_CARRY_BUDGET`` (64 MiB per sample) takes a bounded
+      carries over a fixed budget (64 MiB per sample) takes a bounded
       ``K`` by itself: the largest ``K = ceil(max_depth / S)`` whose ``K + S`` carries fit
       half the budget, so a generous ``max_depth`` with small depths never allocates
       gigabytes (pass ``checkpoints`` explicitly to choose otherwise).

@@ -398,7 +398,8 @@ def _bar(total, desc):
     try:
         from tqdm import tqdm
 
-        return tqdm(total=total, desc=desc, dynamic_ncols=True, file=sys.stderr)
+        # disable=None: no bar when stderr is not a terminal, so piped logs hold no frames
+        return tqdm(total=total, desc=desc, dynamic_ncols=True, file=sys.stderr, disable=None)
     except ImportError:  # pragma: no cover - tqdm is in the test and demo extras
         return None
 

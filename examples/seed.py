@@ -1,9 +1,11 @@
-"""The seed's program, written with dyndepth.
+"""The README quickstart's program at the sizes of the original request, written with dyndepth.
 
 A residual layer with dropout is applied a random number of times per sample (depths uniform in
-[1, 100]), with a fresh key at every step, under jax.vmap and jax.jit. The seed scanned over all
-100 steps with lax.cond; dyndepth.repeat runs each sample's own depth and is reverse
-differentiable.
+[1, 100]), with a fresh key at every step, under jax.vmap and jax.jit. The usual workaround (the
+scan + cond baseline) scans over all 100 steps with lax.cond; dyndepth.repeat runs each sample's
+own depth and is reverse differentiable. The layer's weights are fixed and its ReLU output grows
+with depth, as in the original request: a program to time, not to train (the README's
+quickstart differentiates a bounded layer).
 
     python examples/seed.py
 """

@@ -18,6 +18,8 @@ if not FULL:
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+import dyndepth as dd  # noqa: E402
+
 # Strict promotion at import, before any test module builds an array: Python scalars mixed with
 # arrays stay fine (weak types), but float32 mixed with int32 arrays is an error, so a loop that
 # silently promotes a leaf fails loudly here.
@@ -26,6 +28,15 @@ jax.config.update("jax_enable_x64", False)
 
 # ``from helpers import ...`` works under every pytest import mode.
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+# The scheduler's time model on this CPU makes an iteration's fixed cost worth hundreds of rows of
+# the tests' tiny steps, so by default their small batches would run in lockstep and the
+# per-sample scheduler would go untested. The tests price an iteration at one row: the time rule
+# then chooses among every slot count of its ladder as on a large step (tests/test_schedule.py
+# checks the measured defaults apart).
+TEST_COST = dd.IterationCost(fixed_seconds=1e-9, flops_per_second=1e30, row_floor_seconds=1e-9)
+dd.set_iteration_cost("cpu", TEST_COST)
 
 
 @pytest.fixture(scope="session", autouse=True)

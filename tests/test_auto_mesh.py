@@ -197,7 +197,7 @@ SCRIPT = textwrap.dedent(
     # of one scheduler per device, each on its own rows.
     def stats(W, xs, ds):
         return dd.repeat_batched(lambda c: jnp.tanh(c @ W), xs, ds, max_depth=T,
-                                 return_stats=True)[1]
+                                 slots="work", return_stats=True)[1]
 
     work_ds = jax.random.randint(jax.random.PRNGKey(6), (256,), 0, T + 1)
     work_xs = jax.random.normal(jax.random.PRNGKey(7), (256, D))
@@ -320,7 +320,7 @@ def _check_work_per_device(work):
 
 def _schedule_of(depths):
     """(executed sample-steps, iterations) of the scheduler's rule on ``depths`` alone."""
-    candidates = _schedule.slot_candidates(depths.shape[0])
-    slots = candidates[int(_schedule.choose_slots(depths, candidates))]
+    candidates = _schedule.work_candidates(depths.shape[0])
+    slots = candidates[int(_schedule.choose_by_work(depths, candidates))]
     executed = int(_schedule.executed_steps(depths, slots))
     return executed, executed // slots

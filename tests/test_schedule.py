@@ -10,6 +10,7 @@ from helpers import applicable, tree_allclose
 
 import dyndepth
 from dyndepth import _checks, _schedule
+from dyndepth import _cost as dd_cost
 
 D = 3
 M = 7
@@ -189,7 +190,9 @@ def test_executed_sample_steps_close_to_sum_of_depths(dist, hi):
     B = 256
     ds = (_uniform if dist == "uniform" else _long_tail)(jax.random.PRNGKey(0), B, hi)
     xs = jnp.zeros((B, 1))
-    _, st = dyndepth.repeat_batched(lambda x: x + 1.0, xs, ds, max_depth=hi, return_stats=True)
+    _, st = dyndepth.repeat_batched(
+        lambda x: x + 1.0, xs, ds, max_depth=hi, slots="work", return_stats=True
+    )
     ratio = int(st["executed_sample_steps"]) / int(ds.sum())
     assert ratio <= 1.15, (dist, ratio, st)
     # The masked alternatives execute B * max(depth) or B * max_depth sample-steps.
@@ -228,16 +231,13 @@ DISTRIBUTIONS = (
 )
 
 
-@pytest.mark.parametrize(
-    "B, ladder", [(64, "default"), (256, "default"), (1024, "default"), (256, "half and one")]
-)
-def test_work_within_bound_on_every_distribution_forward_and_backward(B, ladder):
+@pytest.mark.parametrize("B, slots", [(64, "work"), (256, "work"), (1024, "work"), (256, None)])
+def test_work_within_bound_on_every_distribution_forward_and_backward(B, slots):
     """Rows evaluated by the step, counted by a callback inside it (idle rows count too):
     <= 1.15 x sum(depth) forward and backward; values and gradients equal the masked loop's.
-    With the default slot counts, and with two (``slots=(B // 2, 1)``): the bound holds
-    whenever 1 is among them."""
+    With ``slots="work"`` the bound holds for every distribution; the time rule (``None``)
+    meets it too where an iteration costs one row (the tests' cost, tests/conftest.py)."""
     hi = 24
-    slots = None if ladder == "default" else (B // 2, 1)
     calls = []
 
     def counted(v):  # one call per loop iteration, with every row of it
@@ -290,13 +290,18 @@ def test_work_within_bound_on_every_distribution_forward_and_backward(B, ladder)
 
 @pytest.mark.parametrize(
     "slots, want",
-    [(None, (256, 128, 16, 2, 1)), (32, (32,)), ((1, 300, 128, 128, 256), (256, 128, 1))],
+    [
+        (None, (256, 128, 64, 32, 8, 2, 1)),
+        ("work", (256, 128, 16, 2, 1)),
+        (32, (32,)),
+        ((1, 300, 128, 128, 256), (256, 128, 1)),
+    ],
 )
 def test_each_slot_count_is_one_compiled_branch(slots, want):
     """The compiled value_and_grad has one conditional over the slot counts forward and one
     backward, with a branch per count (counts of B or more are one: the lockstep batch), and
-    none with a single count."""
-    assert _schedule.candidates_of(_checks.slots_arg(slots), 256) == want
+    none with a single count. (None: the time rule's ladder where an iteration costs one row.)"""
+    assert _schedule.SlotRule.of(_checks.slots_arg(slots), 256, 1.0).candidates == want
 
     def loss(W, xs, ds):
         f = lambda x: jnp.tanh(x @ W)  # noqa: E731
@@ -308,27 +313,79 @@ def test_each_slot_count_is_one_compiled_branch(slots, want):
     assert branches == ([len(want)] * 2 if len(want) > 1 else []), branches
 
 
-def test_choose_slots_takes_the_most_slots_within_the_work_slack():
+def _random_lengths(rng, trial, B):
+    hi = int(rng.integers(1, 200))
+    lengths = rng.integers(0, hi + 1, B)
+    if trial % 4 == 1:  # few deep
+        lengths = np.where(rng.random(B) < 0.05, hi, rng.integers(0, 2, B))
+    elif trial % 4 == 2:  # long tail
+        lengths = np.minimum(1 + rng.poisson(np.exp(rng.normal(np.log(hi / 8), 0.5, B))), hi)
+    elif trial % 8 == 3:
+        lengths[:] = 0
+    return lengths
+
+
+def _iterations(lengths, c):
+    return max(int(lengths.max()), -(-int(lengths.sum()) // c))
+
+
+def test_choose_by_work_takes_the_most_slots_within_the_work_slack():
     """Checked against a brute-force reading of the rule on random lengths."""
     rng = np.random.default_rng(0)
-    choose = jax.jit(_schedule.choose_slots, static_argnums=1)
+    choose = jax.jit(_schedule.choose_by_work, static_argnums=1)
     for trial in range(200):
         B = int(rng.choice([3, 5, 64, 100, 256]))
-        cands = _schedule.slot_candidates(B)
+        cands = _schedule.work_candidates(B)
         assert cands[0] == B and cands[-1] == 1 and list(cands) == sorted(cands, reverse=True)
-        hi = int(rng.integers(1, 50))
-        lengths = rng.integers(0, hi + 1, B)
-        if trial % 4 == 1:
-            lengths = np.where(rng.random(B) < 0.05, hi, rng.integers(0, 2, B))
-        elif trial % 4 == 2:
-            lengths[:] = 0
-        work = [c * max(lengths.max(), -(-lengths.sum() // c)) for c in cands]
+        lengths = _random_lengths(rng, trial, B)
+        work = [c * _iterations(lengths, c) for c in cands]
         ok = [w <= (1 + _schedule.WORK_SLACK) * lengths.sum() for w in work]
         want = ok.index(True) if any(ok) else int(np.argmin(work))
         got = int(choose(jnp.asarray(lengths), cands))
         assert got == want, (lengths, cands, work)
         assert work[got] <= (1 + _schedule.WORK_SLACK) * lengths.sum()
-    assert _schedule.slot_candidates(2) == (2,)
+    assert _schedule.work_candidates(2) == (2,)
+
+
+def test_choose_by_time_is_the_argmin_of_modeled_time():
+    """For given backend constants (an iteration's fixed cost in rows), the rule's choice is the
+    argmin over its candidates of ``C(S) x (fixed_rows + S)`` (the most slots among equals),
+    checked in NumPy on random distributions; the ladder stops at ``fixed_rows / 8``."""
+    rng = np.random.default_rng(1)
+    choose = jax.jit(_schedule.choose_by_time, static_argnums=(1, 2))
+    for trial in range(160):
+        B = int(rng.choice([3, 64, 512, 4096]))
+        fixed = float(rng.choice([0.0, 1.0, 18.0, 300.0, 2500.0]))
+        cands = _schedule.slot_candidates(B, fixed)
+        assert cands[0] == B and list(cands) == sorted(set(cands), reverse=True)
+        assert all(c >= fixed // 8 for c in cands[1:])
+        lengths = _random_lengths(rng, trial, B)
+        modeled = [_iterations(lengths, c) * (fixed + c) for c in cands]
+        got = int(choose(jnp.asarray(lengths), cands, fixed))
+        assert got == int(np.argmin(modeled)), (fixed, cands, modeled, got)
+
+
+def test_measured_costs_choose_for_their_backend():
+    """The measured defaults: on the GPU constants the long-tail batch of the H200 measurement
+    (B=4096, 134,800 steps, the longest 165) takes 1,024 slots (its measured best), and a batch
+    of 256 of a width-256 step runs in lockstep; on the CPU a width-64 step's uniform batch takes
+    B / 2. An unknown platform takes the GPU's costs."""
+    gpu, cpu = dd_cost.backend_cost("gpu"), dd_cost.backend_cost("cpu")
+    assert dd_cost.backend_cost("some-accelerator") == gpu
+
+    def flops(width):
+        W = jnp.zeros((width, width))
+        step = lambda x: x + 0.1 * jnp.tanh(x @ W) @ W  # noqa: E731
+        return dd_cost.jaxpr_flops(jax.make_jaxpr(step)(jnp.zeros(width)).jaxpr)
+
+    assert flops(64) >= 2 * 2 * 64 * 64  # two matrix products of 2 x 64 x 64
+    long_tail = np.array([165] + [33] * 4060 + [(134_800 - 165 - 33 * 4060) // 35] * 35)
+    rule = _schedule.SlotRule.of(None, 4096, gpu.fixed_rows(flops(1024)))
+    assert rule.candidates[int(rule.choose(jnp.asarray(long_tail)))] == 1024
+    assert _schedule.SlotRule.of(None, 256, gpu.fixed_rows(flops(256))).candidates == (256,)
+    uniform = np.arange(512) % 128 + 1
+    rule = _schedule.SlotRule.of(None, 512, cpu.fixed_rows(flops(64)))
+    assert rule.candidates[int(rule.choose(jnp.asarray(uniform)))] == 256
 
 
 @pytest.mark.parametrize("slots", [3, None, (3, 1)])

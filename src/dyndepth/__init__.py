@@ -7,6 +7,8 @@ Loops whose forward and backward cost follow the depth actually run, under ``jit
 from importlib.metadata import PackageNotFoundError, version
 
 from . import nn as nn
+from ._cost import IterationCost as IterationCost
+from ._cost import set_iteration_cost as set_iteration_cost
 from ._keys import step_key as step_key
 from ._loop import repeat as repeat
 from ._loop import repeat_batched as repeat_batched
@@ -18,4 +20,12 @@ try:
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
-__all__ = ["repeat", "repeat_batched", "scan", "step_key", "while_loop"]
+__all__ = [
+    "IterationCost",
+    "repeat",
+    "repeat_batched",
+    "scan",
+    "set_iteration_cost",
+    "step_key",
+    "while_loop",
+]

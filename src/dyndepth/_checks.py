@@ -44,11 +44,14 @@ def checkpoints_arg(checkpoints: Any) -> int | None:
     return static_nonneg_int(checkpoints, "checkpoints", minimum=1)
 
 
-def slots_arg(slots: Any) -> int | tuple[int, ...] | None:
-    """``None``, one slot count (an int ``>= 1``), or the slot counts to choose from at run
-    time (a non-empty tuple or list of them, returned descending without repeats)."""
-    if slots is None:
-        return None
+def slots_arg(slots: Any) -> int | tuple[int, ...] | str | None:
+    """``None``, ``"work"``, one slot count (an int ``>= 1``), or the slot counts to choose from
+    at run time (a non-empty tuple or list of them, returned descending without repeats)."""
+    if slots is None or (isinstance(slots, str) and slots == "work"):
+        return slots
+    if isinstance(slots, str):
+        raise ValueError(f'`slots` must be None, "work", a slot count or a sequence of them, '
+                         f"got {slots!r}")  # fmt: skip
     if isinstance(slots, (tuple, list)):
         if not slots:
             raise ValueError(f"`slots` must name at least one slot count, got {slots!r}")

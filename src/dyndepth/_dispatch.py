@@ -177,15 +177,15 @@ def _forward_rows(loop, level, store, plan, consts, cconsts, init, xs, n, kd) ->
             return _batched.forward(*args, store=store)
         if loop.cond_jaxpr is None:
             return _schedule.run_with_slots(
-                n, _schedule.candidates_of(loop.slots, rows),
+                n, _schedule.SlotRule.for_loop(loop, rows),
                 lambda: _batched.forward(*args, store=store),
                 lambda queue, S: _schedule.forward_wrapped(
                     *args, store=store, slots=S, queue=queue
                 ),
             )  # fmt: skip
         # Stopping steps are unknown before the loop runs: continuous batching in a quarter of
-        # the rows (or the given slots, the largest of several).
-        slots = _schedule.refill_slots(loop.slots, rows)
+        # the rows, all of them where iterations cost more than rows (or the given slots).
+        slots = _schedule.refill_slots(loop.slots, rows, _schedule.fixed_rows(loop))
         if slots >= rows:
             return _batched.forward(*args, store=store)
         return _schedule.forward_refill(*args, store=store, slots=slots)
@@ -197,13 +197,20 @@ def _forward_rows(loop, level, store, plan, consts, cconsts, init, xs, n, kd) ->
     )
     # A shared depth (and no predicate) leaves the steps unbatched: the backward pass then
     # runs in lockstep, unscheduled (nothing to save).
-    steps = steps if per_sample else steps[0]
+    steps = steps if per_sample else _shared_steps(steps)
     if store:
         # A batched forward pass stores carries only; the stored-residual buffers of a plan
         # (made for an unbatched loop) stay empty, and the backward pass recomputes.
         res = (res[0], res[1], [_vma.zeros((loop.max_steps,), a) for a in plan.stored]
                if plan is not None else [])  # fmt: skip
     return _flat_forward(carry, ys, steps, stats, res)
+
+
+def _shared_steps(steps):
+    """The one step count of rows that share their depth. Rows sharded over ``Explicit`` mesh
+    axes are typed with the split, where taking row 0 is a slice JAX refuses: their maximum
+    (the same value, reduced once, after the loop) instead."""
+    return steps[0] if _vma.type_mesh(steps) is None else steps.max()
 
 
 def _leaf_or_none(kd):
@@ -289,7 +296,7 @@ def _backward_rows(loop, level, pert, plan, use_ext, consts, xs, kd, steps, buf,
         args = (loop, pert, consts, c_axes, xs, kd, (buf, stride), steps, ct_c, ct_y)
         if sb and not loop.thinning and _schedulable(loop, steps.shape[0]):
             acc, ct, ct_xs = _schedule.run_with_slots(
-                steps, _schedule.candidates_of(loop.slots, steps.shape[0]),
+                steps, _schedule.SlotRule.for_loop(loop, steps.shape[0]),
                 lambda: _batched.backward(*args, per_row=per_row),
                 lambda queue, S: _schedule.backward_wrapped(
                     *args, per_row=per_row, slots=S, queue=queue

@@ -12,8 +12,10 @@ steps at the start of the next slot and its last steps at the end of its own (``
 so the first part ends before the second starts; its carry waits in between). With
 ``S <= W / max(steps)``, ``C = ceil(W / S)`` and the slots are busy at every iteration but the
 last: executed sample-steps are below ``W + S``, whatever the distribution of steps. ``S`` is
-chosen at run time among a ladder of slot counts (one compiled branch each): the largest
-that executes at most ``W / 16`` steps more than ``W`` (see :func:`choose_slots`).
+chosen at run time among a ladder of slot counts (one compiled branch each) by the time model of
+:mod:`dyndepth._cost`: the count of least ``C x (fixed + S x row)``, an iteration's fixed cost
+against its rows (:func:`choose_by_time`); ``slots="work"`` takes instead the largest count that
+executes at most ``W / 16`` steps more than ``W`` (:func:`choose_by_work`).
 
 **Stopping steps known only when a sample stops** (``while_loop``'s forward pass): continuous
 batching; a slot takes the next pending sample the moment its sample stops.
@@ -31,24 +33,44 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import _vma
+from . import _cost, _vma
 from ._batched import const_accumulators, rows_vjp, stats_of, store_state
 from ._leaves import where_rows
 from ._step import Loop, Perturbed
 
-# Each slot count is one compiled copy of the step (forward and backward), so the ladder is
-# sparse: ``B``, ``B / 2`` (uniform depths: the ideal count), then a ratio of 8 down to 1. The
-# rule in choose_slots keeps the work within the slack on any ladder that ends at 1; a sparser
-# ladder costs iterations (up to 8x those of the ideal count), never work.
+# Each slot count is one compiled copy of the step (forward and backward), so the ladders are
+# sparse. The time rule's ladder halves from ``B`` three times, then quarters, and stops at the
+# smallest count that can win: below ``fixed_rows / 8`` slots an iteration costs about its fixed
+# part whatever the count, and a count that runs the same iterations with a few more rows costs
+# within 1 / 8 of it. The work rule's ladder: ``B``, ``B / 2``, then a ratio of 8 down to 1.
 LADDER_RATIO = 8
-# A slot count is taken when it executes at most this fraction more than the useful steps.
+# The work rule takes a slot count when it executes at most this fraction more than the useful
+# steps.
 WORK_SLACK = 1 / 16
 
 
-def slot_candidates(batch: int) -> tuple[int, ...]:
-    """The slot counts that ``slots=None`` chooses from at run time, descending: ``B``,
-    ``B / 2``, ``B / 16``, ``B / 128``, ... (rounded up), then 1; batches of 2 or fewer run
-    unscheduled."""
+def slot_candidates(batch: int, fixed_rows: float) -> tuple[int, ...]:
+    """The slot counts that ``slots=None`` chooses from at run time (by :func:`choose_by_time`,
+    one compiled branch each), descending: ``B``, ``B / 2``, ``B / 4``, ``B / 8``, then a ratio
+    of 4, none below ``fixed_rows / 8`` (an iteration's fixed cost, in rows); batches of 2 or
+    fewer run unscheduled."""
+    if batch <= 2:
+        return (batch,)
+    counts, c = {batch}, batch
+    for _ in range(3):
+        c = math.ceil(c / 2)
+        counts.add(c)
+    while c > 1:
+        c = math.ceil(c / 4)
+        counts.add(c)
+    smallest = max(1, math.floor(fixed_rows / 8))
+    return tuple(sorted({n for n in counts if n >= smallest} | {batch}, reverse=True))
+
+
+def work_candidates(batch: int) -> tuple[int, ...]:
+    """The slot counts that ``slots="work"`` chooses from (by :func:`choose_by_work`),
+    descending: ``B``, ``B / 2``, ``B / 16``, ``B / 128``, ... (rounded up), then 1; batches
+    of 2 or fewer run unscheduled."""
     if batch <= 2:
         return (batch,)
     out, c = [batch], math.ceil(batch / 2)
@@ -58,22 +80,56 @@ def slot_candidates(batch: int) -> tuple[int, ...]:
     return tuple(out) + (1,)
 
 
-def candidates_of(slots: int | tuple[int, ...] | None, batch: int) -> tuple[int, ...]:
-    """The slot counts a loop's ``slots`` argument lets a batch of ``batch`` rows use,
-    descending: the default ladder, one count, or the given ones (those of ``batch`` or more
-    all mean the lockstep batch)."""
-    if slots is None:
-        return slot_candidates(batch)
-    counts = (slots,) if isinstance(slots, int) else slots
-    return tuple(sorted({min(c, batch) for c in counts}, reverse=True))
+@dataclasses.dataclass(frozen=True)
+class SlotRule:
+    """How a batch of ``B`` rows picks its slot count at run time: among ``candidates``
+    (descending), the one :func:`choose_by_time` (``fixed_rows`` given) or, for
+    ``slots="work"`` (``fixed_rows`` None), :func:`choose_by_work` picks."""
+
+    candidates: tuple[int, ...]
+    fixed_rows: float | None
+
+    @staticmethod
+    def of(slots: int | tuple[int, ...] | str | None, batch: int, fixed_rows: float) -> SlotRule:
+        """The rule of a loop's ``slots`` argument: the time rule on the default ladder, one
+        count, or the given counts (those of ``batch`` or more all mean the lockstep batch);
+        ``"work"``: the work rule on its ladder."""
+        if slots == "work":
+            return SlotRule(work_candidates(batch), None)
+        if slots is None:
+            return SlotRule(slot_candidates(batch, fixed_rows), fixed_rows)
+        counts = (slots,) if isinstance(slots, int) else slots
+        return SlotRule(tuple(sorted({min(c, batch) for c in counts}, reverse=True)), fixed_rows)
+
+    @staticmethod
+    def for_loop(loop: Loop, batch: int) -> SlotRule:
+        """The rule of ``loop`` over ``batch`` rows, its step's fixed cost in rows read from the
+        default backend's costs."""
+        return SlotRule.of(loop.slots, batch, fixed_rows(loop))
+
+    def choose(self, lengths: jax.Array) -> jax.Array:
+        if self.fixed_rows is None:
+            return choose_by_work(lengths, self.candidates)
+        return choose_by_time(lengths, self.candidates, self.fixed_rows)
 
 
-def refill_slots(slots: int | tuple[int, ...] | None, batch: int) -> int:
-    """The slot count of continuous batching (stopping steps unknown up front): ``slots``,
-    the largest of several, or a quarter of the batch."""
-    if slots is None:
-        return math.ceil(batch / 4)
-    return slots if isinstance(slots, int) else slots[0]
+def fixed_rows(loop: Loop) -> float:
+    """An iteration's fixed cost in rows of ``loop``'s step, on the default backend."""
+    return _cost.backend_cost().fixed_rows(_cost.jaxpr_flops(loop.step_jaxpr.jaxpr))
+
+
+def refill_slots(slots: int | tuple[int, ...] | str | None, batch: int, fixed_rows: float) -> int:
+    """The slot count of continuous batching (stopping steps unknown up front): ``slots``, the
+    largest of several; by default a quarter of the batch, or the whole batch (a lockstep loop
+    that ends with its last sample) where an iteration's fixed cost outweighs a quarter of its
+    rows: refilling slots then costs more in iterations than it saves in rows."""
+    if isinstance(slots, int):
+        return slots
+    if isinstance(slots, tuple):
+        return slots[0]
+    if slots is None and fixed_rows >= batch / 4:
+        return batch
+    return math.ceil(batch / 4)
 
 
 def iterations(total: jax.Array, longest: jax.Array, slots: int) -> jax.Array:
@@ -87,7 +143,21 @@ def executed_steps(lengths: jax.Array, slots: int) -> jax.Array:
     return slots * iterations(jnp.sum(lengths), jnp.max(lengths), slots)
 
 
-def choose_slots(lengths: jax.Array, candidates: tuple[int, ...]) -> jax.Array:
+def modeled_time(lengths: jax.Array, slots: int, fixed_rows: float) -> jax.Array:
+    """The time model of :mod:`dyndepth._cost` in row-steps: ``C x (fixed_rows + slots)``."""
+    C = iterations(jnp.sum(lengths), jnp.max(lengths), slots).astype(jnp.float32)
+    return C * (fixed_rows + slots)
+
+
+def choose_by_time(lengths: jax.Array, candidates: tuple[int, ...], fixed_rows: float):
+    """Index into ``candidates`` (descending) of the slot count of least modeled time (the
+    first, so the most slots, among equals)."""
+    lengths = lengths.astype(jnp.int32)
+    times = jnp.stack([modeled_time(lengths, c, fixed_rows) for c in candidates])
+    return jnp.argmin(times).astype(jnp.int32)
+
+
+def choose_by_work(lengths: jax.Array, candidates: tuple[int, ...]) -> jax.Array:
     """Index into ``candidates`` (descending) of the largest slot count that executes at most
     ``(1 + WORK_SLACK) x sum(lengths)`` sample-steps, else of the one that executes fewest.
     The largest such count runs the fewest iterations; 1 slot always executes exactly the sum,
@@ -99,9 +169,9 @@ def choose_slots(lengths: jax.Array, candidates: tuple[int, ...]) -> jax.Array:
     return jnp.where(jnp.any(ok), jnp.argmax(ok), jnp.argmin(work)).astype(jnp.int32)
 
 
-def run_with_slots(lengths, candidates, lockstep, wrapped):
-    """``wrapped(queue, S)`` with the slot count ``S`` chosen at run time among ``candidates``
-    by :func:`choose_slots` (one compiled branch each; none with one candidate); ``S >= B``
+def run_with_slots(lengths, rule: SlotRule, lockstep, wrapped):
+    """``wrapped(queue, S)`` with the slot count ``S`` chosen at run time among the
+    ``rule``'s candidates (one compiled branch each; none with one candidate); ``S >= B``
     runs ``lockstep()``: with one slot per sample there is nothing to schedule. The part of
     the layout that does not depend on ``S`` (``queue``) is computed once, outside the
     branches."""
@@ -111,10 +181,10 @@ def run_with_slots(lengths, candidates, lockstep, wrapped):
     def call(c):
         return lockstep() if c >= B else wrapped(queue, c)
 
-    if len(candidates) == 1:
-        return call(candidates[0])
-    branches = [lambda c=c: call(c) for c in candidates]
-    return _vma.switch(choose_slots(lengths, candidates), branches)
+    if len(rule.candidates) == 1:
+        return call(rule.candidates[0])
+    branches = [lambda c=c: call(c) for c in rule.candidates]
+    return _vma.switch(rule.choose(lengths), branches)
 
 
 # ----------------------------------------------------------------------------- wrap-around

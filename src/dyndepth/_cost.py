@@ -1,0 +1,126 @@
+"""The scheduler's time model: what one loop iteration costs on a backend.
+
+An iteration of a scheduled loop over ``S`` slots costs ``fixed + S x row`` seconds: a fixed
+part (launching the iteration's kernels, the loop's own bookkeeping) and a part per row (the
+step on one sample). With ``C(S)`` iterations, a schedule takes ``C(S) x (fixed + S x row)``;
+only the ratio matters for choosing ``S``, so the model is one number, the fixed cost in rows:
+``fixed_rows = fixed / row``. Minimizing executed sample-steps is the same model with
+``fixed_rows = 0``.
+
+``row`` is estimated from the step's floating-point operations (``2 x m x n x k`` per matrix
+product, one per element of anything else), floored by the least a row costs on the backend
+(small steps are bound by memory and launches, not arithmetic). The constants below were fitted
+to measurements: the GPU's on one NVIDIA H200 (``repeat_batched`` forward, steps of width 256
+and 1024, ``shared/designs/gpu_time_model.md``: ``fixed_rows`` about 2,000-3,000), the CPU's on
+the project's 2-core machine (width 64, ``benchmarks/slot_sweep.py``: about 20). TPUs were not
+measured; they take the GPU's constants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class IterationCost:
+    """A backend's costs: ``fixed_seconds`` per loop iteration, and per row the larger of
+    ``row_flops / flops_per_second`` and ``row_floor_seconds``."""
+
+    fixed_seconds: float
+    flops_per_second: float
+    row_floor_seconds: float
+
+    def fixed_rows(self, row_flops: float) -> float:
+        """The fixed cost of an iteration in rows of a step of ``row_flops`` operations."""
+        row = max(row_flops / self.flops_per_second, self.row_floor_seconds)
+        return self.fixed_seconds / row if row > 0 else 0.0
+
+
+_GPU = IterationCost(fixed_seconds=30e-6, flops_per_second=2.8e14, row_floor_seconds=10e-9)
+BACKEND_COSTS: dict[str, IterationCost] = {
+    "cpu": IterationCost(fixed_seconds=2.7e-6, flops_per_second=5.5e10, row_floor_seconds=2e-9),
+    "gpu": _GPU,
+    "cuda": _GPU,
+    "rocm": _GPU,
+    "tpu": _GPU,
+}
+
+
+_DEFAULTS = dict(BACKEND_COSTS)
+
+
+def backend_cost(platform: str | None = None) -> IterationCost:
+    """The costs of ``platform`` (the default backend's when None; an unknown one takes the
+    GPU's: an accelerator pays per iteration)."""
+    platform = jax.default_backend() if platform is None else platform
+    return BACKEND_COSTS.get(platform, _GPU)
+
+
+def set_iteration_cost(platform: str, cost: IterationCost | None) -> None:
+    """Set the time model the scheduler uses on ``platform`` (``"cpu"``, ``"gpu"``, ``"cuda"``,
+    ``"rocm"``, ``"tpu"``, as ``jax.default_backend()`` names it), or restore the measured
+    default with ``None``.
+
+    The model is read when a loop is traced for the default backend, so set it before the first
+    call of a jitted function (one already compiled keeps its slot counts). A cost of
+    ``IterationCost(fixed_seconds=0.0, flops_per_second=1.0, row_floor_seconds=1.0)`` makes the
+    time rule minimize executed sample-steps; ``slots="work"`` does that with a bound.
+
+    Raises ``TypeError`` for a ``cost`` that is not an :class:`IterationCost`, ``ValueError`` for
+    negative or zero rates.
+    """
+    if cost is None:
+        BACKEND_COSTS[platform] = _DEFAULTS.get(platform, _GPU)
+        return
+    if not isinstance(cost, IterationCost):
+        raise TypeError(f"`cost` must be a dyndepth.IterationCost or None, got {cost!r}")
+    if cost.fixed_seconds < 0 or cost.flops_per_second <= 0 or cost.row_floor_seconds < 0:
+        raise ValueError(
+            f"`cost` needs fixed_seconds >= 0, flops_per_second > 0 and row_floor_seconds >= 0, "
+            f"got {cost!r}"
+        )
+    BACKEND_COSTS[platform] = cost
+
+
+# ----------------------------------------------------------------------------- step flops
+
+
+def jaxpr_flops(jaxpr: Any) -> float:
+    """Floating-point operations of one evaluation of ``jaxpr`` (a core ``Jaxpr``): matrix
+    products count ``2 x`` their multiply-adds, any other equation one per output element; a
+    nested jaxpr (a call, a branch, a loop body) counts once, its largest branch for a
+    conditional."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        subs = [_core_jaxpr(v) for v in eqn.params.values()]
+        subs += [_core_jaxpr(b) for v in eqn.params.values() if isinstance(v, tuple) for b in v]
+        subs = [s for s in subs if s is not None]
+        if subs:
+            counts = [jaxpr_flops(s) for s in subs]
+            total += max(counts) if eqn.primitive.name == "cond" else sum(counts)
+        elif eqn.primitive.name == "dot_general":
+            total += _dot_flops(eqn)
+        else:
+            total += sum(_size(v.aval) for v in eqn.outvars)
+    return total
+
+
+def _core_jaxpr(value: Any) -> Any:
+    """The core jaxpr inside a parameter (a ``ClosedJaxpr`` or a ``Jaxpr``), else None."""
+    inner = getattr(value, "jaxpr", value)
+    return inner if hasattr(inner, "eqns") else None
+
+
+def _size(aval: Any) -> int:
+    return math.prod(getattr(aval, "shape", ()))
+
+
+def _dot_flops(eqn: Any) -> float:
+    (contract, _), _ = eqn.params["dimension_numbers"]
+    lhs = eqn.invars[0].aval.shape
+    k = math.prod(lhs[d] for d in contract)
+    return 2.0 * k * sum(_size(v.aval) for v in eqn.outvars)

@@ -63,7 +63,6 @@ WORKER = textwrap.dedent(
     jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2,
                                process_id=int(sys.argv[2]))
     import numpy as np
-import pytest
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     sys.path.insert(0, sys.argv[3])
     from test_multiprocess import losses, problem
@@ -196,6 +195,56 @@ def test_ctrl_c_stops_the_wait_for_the_coordinator():
         f"dyndepth demo: process 1 of 2: stopped while waiting for the coordinator at "
         f"{address}; nothing was started"
     ), err
+
+
+QUIET = textwrap.dedent(
+    """
+    import argparse, sys
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from dyndepth._app import processes
+
+    address, process_id = sys.argv[1], int(sys.argv[2])
+    if process_id == 0:  # as dyndepth demo joins
+        processes.initialize(argparse.Namespace(coordinator=address, num_processes=2,
+                                                process_id=0, coordinator_timeout=60))
+    else:  # the control: JAX's own join, then the same first collective
+        import jax
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=address, num_processes=2, process_id=1)
+        multihost_utils.sync_global_devices("dyndepth: joined")
+    print("SUM", int(np.sum(multihost_utils.process_allgather(np.int32(process_id + 1)))))
+    """
+)
+
+
+def test_joining_keeps_gloos_connection_lines_out_of_the_output():
+    """gloo prints a line when the processes' CPU collectives connect; the demo's join makes
+    that connection with its stdout muted (process 0). Process 1 joins as plain JAX does: the
+    control that shows the line exists."""
+    address = f"127.0.0.1:{_free_port()}"
+    env = simulated_devices_env(1, JAX_PLATFORMS="cpu")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", QUIET, address, str(i)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err[-4000:]
+    (out0, err0), (out1, _) = outputs
+    assert "[Gloo]" in out1, out1  # the control
+    assert "SUM 3" in out0 and "Gloo" not in out0 + err0, out0 + err0
+    assert "SUM 3" in out1
 
 
 def test_coordinator_timeout_needs_a_multi_process_run(capsys):

@@ -16,6 +16,7 @@ process 0 alone would exceed).
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 import threading
@@ -135,6 +136,7 @@ def initialize(a, *, progress_every: float = 10.0, first_progress: float = 2.0) 
         if done:
             if done[0] is not None:
                 raise done[0]
+            _connect_quietly()
             return
         waited = time.monotonic() - start
         check_interrupt(
@@ -154,6 +156,22 @@ def initialize(a, *, progress_every: float = 10.0, first_progress: float = 2.0) 
                 flush=True,
             )
             next_note += progress_every
+
+
+def _connect_quietly() -> None:
+    """Connect the CPU collectives between the processes now, with this process's stdout (file
+    descriptor 1) sent to /dev/null: gloo prints a line per connection ("[Gloo] Rank 0 is
+    connected to 1 peer ranks. ...") that tells a user nothing. The training's collectives
+    then reuse the connection."""
+    sys.stdout.flush()
+    saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        multihost_utils.sync_global_devices("dyndepth: joined")
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
 
 
 def _waiting_for(a) -> str:

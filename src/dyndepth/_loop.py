@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _checks, _masked, _primitives, _vma
+from . import _checks, _compat, _masked, _primitives, _vma
 from ._keys import KeySchedule, check_key
 from ._step import StepKind, trace_loop
 from ._types import Strategy
@@ -80,8 +80,7 @@ def _uses_vmap_axis(loop: Any) -> bool:
     names = _names_in(loop.step_jaxpr.jaxpr)
     if loop.cond_jaxpr is not None:
         names |= _names_in(loop.cond_jaxpr.jaxpr)
-    in_scope = set(jax.extend.core.unsafe_get_axis_names_DO_NOT_USE()) - set(_vma.manual_axes())
-    return bool(names & in_scope)
+    return bool(_compat.bound_axes(names) - set(_vma.manual_axes()))
 
 
 # With ``checkpoints=None`` the reverse-mode loops keep a buffer of ``max_depth`` carries per

@@ -32,12 +32,7 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _vma
-
-try:  # JAX's private dispatch module: see needs_devices_when_lowered
-    from jax._src import dispatch as _jax_dispatch
-except ImportError:  # pragma: no cover - depends on JAX's internals
-    _jax_dispatch = None
+from . import _compat, _vma
 
 # Set while a kernel is traced for a lowering over several devices (see partitioning).
 _PARTITIONING = contextvars.ContextVar("dyndepth_partitioning", default=False)
@@ -67,18 +62,16 @@ def lowering_for_devices(ctx: mlir.LoweringRuleContext) -> bool:
     """Whether a loop lowered in ``ctx`` should be partitioned per device: the outermost loop
     of a program lowered for several devices, outside ``shard_map``. (XLA learns the shardings
     only then; a program lowered for any single device has no device assignment yet.)"""
-    axis_context = ctx.module_context.axis_context
-    devices = getattr(axis_context, "device_assignment", None)
+    devices = _compat.lowering_devices(ctx)
     return _LOWERING_DEPTH.get() == 0 and devices is not None and len(devices) > 1
 
 
 def needs_devices_when_lowered(*prims: Any) -> None:
     """Have ``jit`` lower programs containing ``prims`` with their device assignment, as it
     does for ``custom_partitioning`` (JAX's own registry, private: without it, or on a JAX
-    without it, loops on ``Auto`` meshes run unpartitioned, right but gathered)."""
-    registry = getattr(_jax_dispatch, "prim_requires_devices_during_lowering", None)
-    if registry is not None:
-        registry.update(prims)
+    without it, loops on ``Auto`` meshes run unpartitioned, right but gathered; see
+    :func:`dyndepth._compat.require_devices_when_lowered`)."""
+    _compat.require_devices_when_lowered(*prims)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import _compat
+
 
 def manual_axes() -> tuple[str, ...]:
     """The manual mesh axes of the enclosing ``shard_map`` (empty outside one)."""
@@ -254,19 +256,14 @@ def eval_jaxpr(jaxpr: Any, consts: list, *args: Any) -> list:
                 vmas = {varying(x) for x in invals}
                 if len(vmas) > 1:
                     invals = [vary(x, tuple(sorted(frozenset().union(*vmas)))) for x in invals]
-            bind = eqn.primitive.get_bind_params(eqn.params)
-            subfuns, bind = bind if isinstance(bind, tuple) else ((), bind)
-            bind = _without_other_mesh(bind, mesh)
-            ctx = getattr(eqn, "ctx", None)
             # The traced equation's context, except when it was traced under another mesh (a
             # step traced outside shard_map and run inside it): entering it would record that
             # mesh, and lowering the primitive under it fails for varying values.
-            if ctx is not None and getattr(ctx, "cur_abstract_mesh", None) == mesh:
-                ctx = ctx.manager
-            else:
-                ctx = contextlib.nullcontext()
-            with ctx:
-                outs = eqn.primitive.bind(*subfuns, *invals, **bind)
+            with _compat.equation_context(eqn, mesh):
+                outs = _compat.bind_equation(
+                    eqn, invals, lambda p: _without_other_mesh(p, mesh),
+                    lambda j, c, a: eval_jaxpr(j, c, *a),
+                )  # fmt: skip
             if not eqn.primitive.multiple_results:
                 outs = [outs]
         for v, x in zip(eqn.outvars, outs, strict=True):
@@ -279,18 +276,19 @@ def _without_other_mesh(params: dict, mesh: Any) -> dict:
     ``jit`` with ``Explicit`` mesh axes records shardings on that mesh (``vmap`` over rows
     broadcasts with one; ``jax.sharding.reshard`` names its target); inside the per-device
     ``shard_map`` the same operation runs on a device's rows, where the axes that split the
-    batch are manual: an output sharding is dropped (None: inferred from the inputs), a
-    reshard's target keeps its other axes (a tensor-parallel ``model`` axis)."""
+    batch are manual: an output sharding or a reshard's target keeps its other axes (a
+    tensor-parallel ``model`` axis; a matmul contracted over ``model`` needs its output
+    sharding), one that is not a ``NamedSharding`` is dropped (None: inferred)."""
     out = dict(params)
     for name, value in params.items():
         other = getattr(value, "mesh", None)
         if other is None or getattr(other, "abstract_mesh", other) == mesh:
             continue
-        if name in ("sharding", "out_sharding"):
-            out[name] = None
-        elif isinstance(value, jax.sharding.NamedSharding):
+        if isinstance(value, jax.sharding.NamedSharding):
             manual = set(manual_axes())
             out[name] = jax.sharding.NamedSharding(mesh, _spec_without(value.spec, manual))
+        elif name in ("sharding", "out_sharding"):
+            out[name] = None
     return out
 
 

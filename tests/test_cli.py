@@ -101,8 +101,35 @@ def test_eval_rejects_bad_checkpoints(tmp_path, tiny_checkpoint, capsys, which):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert err.startswith("dyndepth eval: error: argument --checkpoint:") and path in err
+    assert "pickle" not in err, err  # numpy's advice to load a file unsafely is not for users
     if which == "directory":  # points at the checkpoint inside
         assert "alpha=1.ckpt.npz" in err
+    if which == "corrupt":
+        assert "is not a checkpoint (not an .npz archive)" in err, err
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    assert _cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"dyndepth {version('dyndepth')} (jax {version('jax')})\n"
+
+
+def test_every_flag_has_help():
+    import argparse
+
+    missing = []
+
+    def walk(parser, name):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, subparser in action.choices.items():
+                    walk(subparser, f"{name} {sub}")
+            elif not action.help:
+                missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+
+    walk(_cli._parser(), "dyndepth")
+    assert not missing, missing
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,14 @@ from .args import Interrupted, Parser, SigintGuard, int_at_least
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from dyndepth._app import processes
+    from dyndepth._app import processes, sudoku
 
+    error = sudoku.wrong_task_flag(args)
+    if error:
+        print(f"dyndepth demo: error: {error}", file=sys.stderr)
+        return 2
+    if args.task == "sudoku":
+        return sudoku.main(args)
     if args.task == "seed":
         flags = processes.given(args)
         if args.devices not in (None, 1):
@@ -103,6 +109,7 @@ def _seed_demo(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     from dyndepth._app import demo as demo_mod
     from dyndepth._app import launch as launch_mod
+    from dyndepth._app import sudoku as sudoku_mod
 
     parser = Parser(prog="dyndepth", description="dyndepth demo and benchmarks")
     parser.add_argument(
@@ -117,6 +124,7 @@ def _parser() -> argparse.ArgumentParser:
         "and a side-by-side on its workload)",
     )
     demo_mod.add_arguments(demo)
+    sudoku_mod.add_arguments(demo)
     demo.add_argument(
         "--repeats", type=int_at_least(1), default=5, help="(--task seed) timing repeats"
     )

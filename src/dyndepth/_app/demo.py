@@ -230,10 +230,11 @@ def add_arguments(p):
     d = Config()
     p.add_argument(
         "--task",
-        choices=["prefix-sums", "seed"],
+        choices=["prefix-sums", "seed", "sudoku"],
         default="prefix-sums",
         help="prefix-sums (default): train and evaluate the recurrent-depth network; seed: the "
-        "README quickstart's program at full size, timed against the scan + cond baseline",
+        "README quickstart's program at full size, timed against the scan + cond baseline; "
+        "sudoku: a tiny recursive model that halts per puzzle (docs/sudoku.md)",
     )
     p.add_argument(
         "--quick",

@@ -136,7 +136,10 @@ class GradientGuard:
                 return out
 
             def __getattr__(self, name):
-                return getattr(fn, name)
+                attr = getattr(fn, name)
+                if name in ("lower", "compile"):  # jit(grad(f)).lower(...).compile()(...)
+                    return lambda *a, **k: guard._checking(attr(*a, **k), pick, what)
+                return attr
 
         checked = Checked()
         functools.update_wrapper(checked, fn)  # the signature, for static_argnums and names
@@ -323,6 +326,8 @@ def test_gradient_guard_catches_zero_and_non_finite_gradients():
             jax.value_and_grad(overflows)(W)
         with pytest.raises(AssertionError, match="non-finite"):
             jax.vmap(jax.grad(lambda v: jnp.sum(jnp.exp(100 * v))))(W)
+        with pytest.raises(AssertionError, match="zero everywhere"):
+            jax.jit(jax.value_and_grad(ignores)).lower(W).compile()(W)  # compiled apart
         jax.grad(lambda V: jnp.sum(V**2))(W)  # a good one passes and counts
         assert guard.checked == 1
     finally:

@@ -1,6 +1,6 @@
 """The package as a user installs it: the wheel and the sdist build, pass ``twine check``, hold
 what they should, and the wheel installed into a fresh virtual environment runs the README's
-quickstart.
+quickstart (printing what the README shows) and ``dyndepth --version``.
 
 To stay fast and offline, the fresh environment does not download jax again: a ``.pth`` file
 puts this environment's site-packages (for jax and numpy) after its own, and the wheel is
@@ -23,6 +23,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from test_docs import outputs_match
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -69,8 +70,10 @@ def test_twine_check_passes(dist):
 def test_wheel_holds_the_library_only(dist):
     with zipfile.ZipFile(_wheel(dist)) as z:
         names = z.namelist()
+        licence = z.read(f"dyndepth-{VERSION}.dist-info/licenses/LICENSE").decode()
     top = {n.split("/")[0] for n in names}
     assert top == {"dyndepth", f"dyndepth-{VERSION}.dist-info"}, top
+    assert "Apache License" in licence and "Version 2.0" in licence
     for forbidden in ("tests/", "benchmarks/", "examples/", "docs/", "/_ext/"):
         assert not [n for n in names if forbidden in n], forbidden
     for needed in ("dyndepth/__init__.py", "dyndepth/py.typed", "dyndepth/nn/__init__.py"):
@@ -89,6 +92,17 @@ def test_runtime_dependency_is_jax_alone_and_extras_are_named(dist):
     assert meta["Description-Content-Type"] == "text/markdown"
 
 
+def test_license_and_classifiers(dist):
+    meta = _metadata(_wheel(dist))
+    assert meta["License-Expression"] == "Apache-2.0"
+    assert meta.get_all("License-File") == ["LICENSE"]
+    classifiers = meta.get_all("Classifier") or []
+    # the license is the expression; a License :: classifier beside it is rejected by PEP 639
+    assert not [c for c in classifiers if c.startswith("License ::")], classifiers
+    assert "Programming Language :: Python :: 3.11" in classifiers
+    assert meta["Author"], "no author"
+
+
 def test_console_script_points_into_the_wheel(dist):
     with zipfile.ZipFile(_wheel(dist)) as z:
         entry_points = z.read(f"dyndepth-{VERSION}.dist-info/entry_points.txt").decode()
@@ -103,9 +117,15 @@ def test_console_script_points_into_the_wheel(dist):
 def test_sdist_holds_the_sources_and_no_build_output(dist):
     with tarfile.open(dist / f"dyndepth-{VERSION}.tar.gz") as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-    for needed in ("pyproject.toml", "README.md", "CHANGELOG.md", "src/dyndepth/__init__.py"):
+    for needed in (
+        "pyproject.toml",
+        "README.md",
+        "CHANGELOG.md",
+        "LICENSE",
+        "src/dyndepth/__init__.py",
+    ):
         assert needed in names
-    assert not [n for n in names if n.startswith((".venv/", "site/", "dist/"))]
+    assert not [n for n in names if n.startswith((".venv/", "site/", "dist/", ".ci/"))]
 
 
 def test_changelog_has_the_version():
@@ -134,6 +154,9 @@ def test_installed_wheel_runs_the_quickstart(dist, tmp_path):
     )
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     out = _run([str(python), "-c", check + quickstart], cwd=tmp_path, env=env)
-    assert "(32, 64)" in out.stdout
+    shown = re.search(r"## Quickstart.*?```python\n.*?```\s*```text\n(.*?)```", readme, re.S)
+    assert out.stdout.strip() and outputs_match(out.stdout, shown.group(1)), out.stdout
     cli = _run([str(venv / "bin" / "dyndepth"), "--help"], cwd=tmp_path, env=env)
     assert "demo" in cli.stdout
+    version = _run([str(venv / "bin" / "dyndepth"), "--version"], cwd=tmp_path, env=env)
+    assert version.stdout.startswith(f"dyndepth {VERSION} (jax "), version.stdout

@@ -16,6 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 __all__ = ["step_key"]
 
@@ -96,17 +98,37 @@ def step_key(key: Any, i: Any) -> Any:
     return jax.random.fold_in(key, i)
 
 
+# Key implementations whose draws under ``jax.vmap`` are each sample's own: vmap of
+# ``random_bits`` over a batch of threefry keys draws with every key. JAX batches the ``rbg`` and
+# ``unsafe_rbg`` generators (``lax.rng_bit_generator``) with the batch's first key for every
+# sample, so a sample's draws would depend on its neighbours; a user's own implementation is
+# not known to batch per sample either.
+_BATCHES_PER_SAMPLE = frozenset({"threefry2x32"})
+
+
 @dataclasses.dataclass(frozen=True)
 class KeySchedule:
     """How a loop's key travels through the loop internals: as plain ``uint32`` key data (which
     has no tangent and batches like any other array), rewrapped with its implementation when a
-    step draws its key. ``impl`` is None for raw keys (``jax.random.PRNGKey``)."""
+    step draws its key. ``impl`` is None for raw keys (``jax.random.PRNGKey``); ``name`` is the
+    implementation's name (the default implementation's for raw keys)."""
 
     impl: Any = None
+    name: str = "threefry2x32"
 
     @staticmethod
     def of(key: Any) -> KeySchedule:
-        return KeySchedule(jax.random.key_impl(key) if is_typed_key(key) else None)
+        if is_typed_key(key):
+            impl = jax.random.key_impl(key)
+            return KeySchedule(impl, str(impl))
+        return KeySchedule(None, str(jax.config.jax_default_prng_impl))
+
+    @property
+    def batches_per_sample(self) -> bool:
+        """Whether a step vmapped over rows draws each row's numbers from that row's key alone
+        (see ``_BATCHES_PER_SAMPLE``). When not, a batched loop runs its samples one after
+        another (:mod:`dyndepth._primitives`), or refuses (``strategy="masked"``)."""
+        return self.name in _BATCHES_PER_SAMPLE
 
     def data(self, key: Any) -> jax.Array:
         """The key data of ``key`` (any batch shape)."""
@@ -117,3 +139,73 @@ class KeySchedule:
         if self.impl is not None:
             return jax.random.fold_in(jax.random.wrap_key_data(data, impl=self.impl), i)
         return jax.random.fold_in(data, i)
+
+
+# ----------------------------------------------------------------------------- draws under vmap
+
+_DRAWS = frozenset({"random_bits", "random_split", "random_fold_in"})
+
+
+def _impl_name(aval: Any) -> str:
+    dtype = getattr(aval, "dtype", None)
+    impl = getattr(dtype, "_impl", None)
+    return str(getattr(impl, "name", dtype))
+
+
+def _draw_impl(eqn: Any) -> str | None:
+    """The key implementation an equation draws with, if it is one that a ``vmap`` batches
+    from one key (see ``_BATCHES_PER_SAMPLE``); else None."""
+    name = eqn.primitive.name
+    if name == "rng_bit_generator":
+        return "rng_bit_generator"
+    if name in _DRAWS:
+        impl = _impl_name(eqn.invars[0].aval)
+        return None if impl in _BATCHES_PER_SAMPLE else impl
+    return None
+
+
+def mixed_draws(jaxpr: Any) -> tuple[str | None, list[bool]]:
+    """``(impl, reaches)``: the first key implementation ``jaxpr`` draws with whose draws a
+    ``vmap`` would mix between samples (None if none), and for each input whether it reaches
+    such a draw (conservatively: every input of an equation whose inner jaxprs draw so)."""
+    found: str | None = None
+    needed: set = set()
+    for eqn in reversed(jaxpr.eqns):
+        impl = _draw_impl(eqn)
+        if impl is None:
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                impl = impl or mixed_draws(sub)[0]
+        if impl is not None:
+            found = impl
+            needed.update(v for v in eqn.invars if not isinstance(v, jax.extend.core.Literal))
+        elif any(v in needed for v in eqn.outvars):
+            needed.update(v for v in eqn.invars if not isinstance(v, jax.extend.core.Literal))
+    return found, [v in needed for v in jaxpr.invars]
+
+
+_refuse_p = Primitive("dyndepth_unbatched_draws")
+
+
+def refuse_batched(x: jax.Array, impl: str, strategy: str) -> jax.Array:
+    """``x`` itself; batching it raises (at trace time). A ``strategy="masked"`` loop is plain
+    ``lax``, batched by ``vmap`` as a whole, so a batched value reaching a draw of ``impl``
+    would mix the samples' draws."""
+    return _refuse_p.bind(x, impl=impl, strategy=strategy)
+
+
+def _refuse_batch(args, dims, *, impl, strategy):
+    raise ValueError(
+        f"a key of implementation {impl!r} batched under jax.vmap (one key per sample) with "
+        f"strategy={strategy!r}: JAX draws {impl!r} numbers for a whole vmapped batch from its "
+        "first key, so a sample's draws would depend on its batch neighbours, against the key "
+        "schedule (step i of a sample draws from fold_in(key, i), whatever the batch). Use "
+        "strategy='auto', 'checkpointed' or 'while' (they run such a batch one sample after "
+        "another), or threefry keys (jax.random.key(seed, impl='threefry2x32'))"
+    )
+
+
+_refuse_p.def_impl(lambda x, **_: x)
+_refuse_p.def_abstract_eval(lambda x, **_: x)
+mlir.register_lowering(_refuse_p, mlir.lower_fun(lambda x, **_: x, multiple_results=False))
+batching.primitive_batchers[_refuse_p] = _refuse_batch
+ad.deflinear(_refuse_p, lambda ct, **params: [ct])  # (a float operand feeding a draw)

@@ -8,6 +8,7 @@ from jax import lax
 
 from . import _vma
 from ._batched import stats_of
+from ._keys import mixed_draws, refuse_batched
 from ._step import Loop
 
 
@@ -16,6 +17,7 @@ def run(loop: Loop, consts, cconsts, init, xs, n, kd):
     # Inside shard_map, consts varying like the loop's other operands before the loop: a
     # replicated const's gradient then accumulates per device in the scan's transpose and is
     # summed over the devices once, after it, instead of by a collective at every step.
+    consts, init, xs, kd = _refuse_mixed_draws(loop, consts, init, xs, kd)
     axes = _vma.state_axes_of([consts, cconsts, init, xs, n, kd])
     consts, cconsts = _vma.vary(list(consts), axes), _vma.vary(list(cconsts), axes)
     zeros_y = [_vma.zeros((), a) for a in loop.y_avals]
@@ -45,3 +47,23 @@ def run(loop: Loop, consts, cconsts, init, xs, n, kd):
     T = loop.max_steps
     (carry, _, steps), ys = _vma.scan(body, init_state, jnp.arange(T, dtype=jnp.int32))
     return carry, list(ys), steps, stats_of(jnp.asarray(T, jnp.int32), 1)
+
+
+def _refuse_mixed_draws(loop: Loop, consts, init, xs, kd):
+    """The operands that reach a draw whose ``vmap`` would mix the samples' numbers (an
+    ``rbg`` key's), behind a guard that refuses to be batched (see
+    :func:`dyndepth._keys.refuse_batched`)."""
+    impl, reaches = mixed_draws(loop.step_jaxpr.jaxpr)
+    if loop.keys is not None and not loop.keys.batches_per_sample:
+        impl = impl or loop.keys.name
+        kd = refuse_batched(kd, impl, loop.strategy)
+    if impl is None:
+        return consts, init, xs, kd
+    nk, nc = loop.n_consts, len(init)
+
+    def guard(values, flags):
+        return [refuse_batched(v, impl, loop.strategy) if f else v
+                for v, f in zip(values, flags, strict=True)]  # fmt: skip
+
+    return (guard(consts, reaches[:nk]), guard(init, reaches[nk : nk + nc]),
+            guard(xs, reaches[nk + nc : nk + nc + len(xs)]), kd)  # fmt: skip

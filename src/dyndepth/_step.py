@@ -7,8 +7,10 @@ as ordinary operands, so that ``vmap`` sees which of them are batched and ``grad
 them are perturbed; the jaxpr itself is a static parameter of the primitives.
 
 Typed PRNG keys in the carry, ``xs`` or ``ys`` travel as their key data (``uint32``) and are
-rewrapped for the user's function. A weakly typed ``init`` leaf takes the dtype the step
-returns for it, as in ``lax.while_loop``.
+rewrapped for the user's function. Weak types follow ``lax.while_loop``: a weakly typed
+``init`` leaf stays weak inside the step when the step returns its dtype (else it takes the
+returned dtype); a step may return Python scalars and weakly typed values for the carry (cast
+to its dtype when nothing is lost); the loop's outputs are weakly typed where the step's are.
 
 Conversions of a function whose consts are all concrete arrays (an un-jitted call) are cached
 on the function object, so that calling ``repeat`` again with the same function reuses the
@@ -298,6 +300,7 @@ def trace_loop(
         p = jax.tree_util.tree_unflatten(stacked_tree, list(p_l)) if S else None
         new_carry, y = _call_user(kind, fn, carry, x, key, p)
         if seen.get("strong"):
+            new_carry = _as_carry(carry, new_carry)
             same_structure(carry, new_carry, kind.fname, "carry")
         y_leaves, y_tree = jax.tree_util.tree_flatten(y)
         seen.update(y_tree=y_tree, y_codec=Codec.of(y_leaves))
@@ -317,15 +320,15 @@ def trace_loop(
     def traced_loop():
         examples = c_examples
         if any(e.weak_type for e in examples):
-            # A weakly typed init leaf takes the dtype the step returns for it (lax's rule).
+            # lax's rule for a weakly typed init leaf: it stays weak (the step sees a weakly
+            # typed carry) when the step returns its dtype, else it takes the dtype returned.
             new, _ = jax.eval_shape(flat_step, *s_examples, *examples, *x_examples, *key_args)
             if len(new) == nc:
-                examples = [_strong(e, n.dtype if e.weak_type else None)
-                            for e, n in zip(examples, new, strict=True)]  # fmt: skip
+                examples = [_promoted(e, n) for e, n in zip(examples, new, strict=True)]
         strong = tuple(_strong(e) for e in examples)
         seen["strong"] = True
-        jaxpr, consts, (_, y_shape) = closure_convert(
-            flat_step, *s_examples, *strong, *x_examples, *key_args
+        jaxpr, consts, (c_shape, y_shape) = closure_convert(
+            flat_step, *s_examples, *examples, *x_examples, *key_args
         )
         cond_jaxpr, cconsts = None, []
         if cond_fn is not None:
@@ -333,7 +336,7 @@ def trace_loop(
             def flat_cond(*c_l):
                 return cond_fn(jax.tree_util.tree_unflatten(carry_tree, carry_codec.decode(c_l)))
 
-            cond_jaxpr, cconsts, c_out = closure_convert(flat_cond, *strong)
+            cond_jaxpr, cconsts, c_out = closure_convert(flat_cond, *examples)
             _check_cond_output(c_out)
         loop = Loop(
             step_jaxpr=jaxpr,
@@ -350,14 +353,17 @@ def trace_loop(
             slots=slots,
             stacked=S,
         )
-        return loop, consts, cconsts, seen["y_tree"], seen["y_codec"]
+        # The loop's outputs are weakly typed where the step's are (as lax's loops return).
+        weak = Weak(tuple(getattr(a, "weak_type", False) for a in c_shape),
+                    tuple(getattr(a, "weak_type", False) for a in y_shape))  # fmt: skip
+        return loop, consts, cconsts, seen["y_tree"], seen["y_codec"], weak
 
     cache_key = (
         kind, cond_fn, carry_tree, xs_tree, stacked_tree, carry_codec, x_codec, keys,
         tuple(map(_aval_key, c_examples + x_examples + s_examples + key_args)),
         max_steps, checkpoints, strategy, slots, _context(), axes,
     )  # fmt: skip
-    loop, consts, cconsts, y_tree, y_codec = _cached(fn, cache_key, build)
+    loop, consts, cconsts, y_tree, y_codec, weak = _cached(fn, cache_key, build)
     init_leaves = [
         jnp.asarray(c).astype(a.dtype) for c, a in zip(carry_enc, loop.carry_avals, strict=True)
     ]
@@ -371,7 +377,85 @@ def trace_loop(
         carry_codec=carry_codec,
         y_tree=y_tree,
         y_codec=y_codec,
+        weak=weak,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Weak:
+    """Which carry and ys outputs of the step are weakly typed (a Python scalar returned, or
+    a weakly typed carry kept so): the loop returns them weakly typed too."""
+
+    carry: tuple[bool, ...]
+    ys: tuple[bool, ...]
+
+
+def _weakly_typed(x: Any) -> Any:
+    """``x`` with a weak type (``jax.lax.convert_element_type_p`` to its own dtype)."""
+    if getattr(x, "weak_type", False) or is_typed_key(x):
+        return x
+    try:
+        return jax.lax.convert_element_type_p.bind(
+            x, new_dtype=jnp.dtype(x.dtype), weak_type=True, sharding=None
+        )
+    except TypeError:  # pragma: no cover - the primitive's parameters changed in this JAX
+        return x
+
+
+def _rewrap_weak(leaves: Sequence[Any], weak: tuple[bool, ...]) -> list:
+    return [_weakly_typed(a) if w else a for a, w in zip(leaves, weak, strict=True)]
+
+
+_KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
+
+
+def _promoted(example: Any, returned: Any) -> Any:
+    """The carry example for an init leaf ``example`` whose step returns ``returned``.
+
+    A strong leaf stays as it is; a weak one stays weak when the step returns its dtype (lax
+    keeps such a carry weak), and otherwise takes the returned dtype, or its own when the step
+    returns a weakly typed value of a lower kind (a Python int for a float carry)."""
+    if not example.weak_type:
+        return example
+    if np.dtype(returned.dtype) == np.dtype(example.dtype):
+        return example
+    dtype = returned.dtype
+    if getattr(returned, "weak_type", False) and _rank(example.dtype) > _rank(dtype):
+        dtype = example.dtype
+    return _strong(example, dtype)
+
+
+def _rank(dtype: Any) -> int:
+    return _KIND_RANK.get(np.dtype(dtype).kind, 4)
+
+
+def _as_carry(carry: Any, new_carry: Any) -> Any:
+    """The step's returned carry with Python scalars and weakly typed leaves cast to the
+    carry's dtypes where that loses nothing (a weak int into a float carry; never a float
+    into an int carry), as ``lax`` loops accept them; anything else is left for
+    :func:`dyndepth._checks.same_structure` to report."""
+    if jax.tree_util.tree_structure(carry) != jax.tree_util.tree_structure(new_carry):
+        return new_carry
+    leaves = jax.tree_util.tree_leaves(carry)
+    out = jax.tree_util.tree_leaves(new_carry)
+    return jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(carry),
+        [_as_leaf(a, b) for a, b in zip(leaves, out, strict=True)],
+    )
+
+
+def _as_leaf(want: Any, got: Any) -> Any:
+    if is_typed_key(want) or is_typed_key(got):
+        return got
+    if isinstance(got, bool | int | float | complex):
+        got = jnp.asarray(got)  # weakly typed, as lax traces a returned Python scalar
+    dtype = getattr(got, "dtype", None)
+    if dtype is None or np.dtype(dtype) == np.dtype(want.dtype):
+        return got
+    if (getattr(got, "weak_type", False) and jnp.shape(got) == jnp.shape(want)
+            and _rank(dtype) <= _rank(want.dtype)):  # fmt: skip
+        return jax.lax.convert_element_type(got, want.dtype)
+    return got
 
 
 @dataclasses.dataclass
@@ -388,11 +472,14 @@ class Traced:
     carry_codec: Codec
     y_tree: Any
     y_codec: Codec
+    weak: Weak
 
     def carry_out(self, leaves: Sequence[Any]) -> Any:
+        leaves = _rewrap_weak(leaves, self.weak.carry)
         return jax.tree_util.tree_unflatten(self.carry_tree, self.carry_codec.decode(leaves))
 
     def ys_out(self, leaves: Sequence[Any]) -> Any:
+        leaves = _rewrap_weak(leaves, self.weak.ys)
         return jax.tree_util.tree_unflatten(self.y_tree, self.y_codec.decode(leaves))
 
 

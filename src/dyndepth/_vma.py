@@ -123,16 +123,18 @@ def varying_example(example: Any) -> Any:
         return example
     mesh = jax.sharding.get_abstract_mesh()
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*[None] * example.ndim))
+    weak = bool(getattr(example, "weak_type", False))  # a weak carry stays weak (lax's rule)
     try:  # the keyword moved between JAX releases
         mat = jax.sharding.ManualAxisType(varying=frozenset(axes))
         return jax.ShapeDtypeStruct(
-            example.shape, example.dtype, sharding=sharding, manual_axis_type=mat
+            example.shape, example.dtype, sharding=sharding, manual_axis_type=mat, weak_type=weak
         )
     except (AttributeError, TypeError):
         try:
             return jax.ShapeDtypeStruct(
-                example.shape, example.dtype, sharding=sharding, vma=frozenset(axes)
-            )
+                example.shape, example.dtype, sharding=sharding, vma=frozenset(axes),
+                weak_type=weak,
+            )  # fmt: skip
         except TypeError:
             return example
 

@@ -36,8 +36,9 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive, jaxpr_as_fun
 from jax.interpreters import ad, batching, mlir
 
-from . import _dispatch, _per_device, _vma
+from . import _batched, _dispatch, _per_device, _vma
 from ._dispatch import Batch, Level
+from ._keys import mixed_draws
 from ._leaves import fill, take
 from ._residuals import residual_plan
 from ._step import Loop, Perturbed, const_order, jvp_loop, perturbation
@@ -110,6 +111,12 @@ def _state_axes(loop: Loop, avals: tuple) -> tuple[str, ...]:
     return _vma.state_axes_of([list(avals), traced])
 
 
+def _effects(loop: Loop) -> bool:
+    """Whether the step or stop predicate has side effects (host callbacks)."""
+    jaxprs = [loop.step_jaxpr] + ([loop.cond_jaxpr] if loop.cond_jaxpr is not None else [])
+    return any(j.effects for j in jaxprs)
+
+
 def _register(prim: Primitive, kind: str):
     def abstract_eval(*avals, **params):
         closed = _kernel_jaxpr(kind, params, tuple(avals))
@@ -118,7 +125,10 @@ def _register(prim: Primitive, kind: str):
     def lower(ctx, *ops, **params):
         # Only the outermost dyndepth loop of a program is partitioned per device: a loop
         # nested in another's step already runs on that loop's per-device rows.
-        partitioned = _per_device.lowering_for_devices(ctx)
+        # A step with side effects (jax.debug.print, callbacks) runs unpartitioned: XLA's
+        # partitioner cannot carry a host callback into the per-device calls (the process
+        # crashed); the batch is then gathered, as for any unpartitioned operation.
+        partitioned = _per_device.lowering_for_devices(ctx) and not _effects(params["loop"])
         with _per_device.nested_lowering():
             closed = _kernel_jaxpr(kind, params, tuple(ctx.avals_in), partitioned)
             return mlir.lower_fun(jaxpr_as_fun(closed), multiple_results=True)(ctx, *ops)
@@ -209,7 +219,45 @@ def _size(args, dims):
 # ----------------------------------------------------------------------------- loop_p rules
 
 
+def _one_at_a_time(prim, args, dims, params) -> list:
+    """``prim`` over the batch one sample at a time (``lax.map``), each sample's loop
+    unbatched: for a key implementation whose draws a ``vmap`` over rows would mix between
+    samples (:attr:`dyndepth._keys.KeySchedule.batches_per_sample`). The outputs are batched
+    at axis 0."""
+    pos = [j for j, d in enumerate(dims) if d is not None]
+
+    def one(sample):
+        ops = list(args)
+        for j, x in zip(pos, sample, strict=True):
+            ops[j] = x
+        return prim.bind(*ops, **params)
+
+    return list(jax.lax.map(one, [_move(args[j], dims[j]) for j in pos]))
+
+
+_PER_SAMPLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _per_sample_draws(loop: Loop) -> bool:
+    """Whether a ``vmap`` of the step over rows keeps each row's draws its own: not when the
+    loop's key, or a key the step draws from, batches from one key (``rbg``)."""
+    hit = _PER_SAMPLE.get(loop)
+    if hit is None:
+        jaxprs = [loop.step_jaxpr] + ([loop.cond_jaxpr] if loop.cond_jaxpr is not None else [])
+        hit = (loop.keys is None or loop.keys.batches_per_sample) and not any(
+            mixed_draws(j.jaxpr)[0] for j in jaxprs
+        )
+        _PER_SAMPLE[loop] = hit
+    return hit
+
+
 def _loop_batch(args, dims, *, loop, batch, store, plan, pert):
+    if not _per_sample_draws(loop):
+        outs = _one_at_a_time(loop_p, args, dims, dict(loop=loop, batch=batch, store=store,
+                                                       plan=plan, pert=pert))  # fmt: skip
+        stats = len(loop.carry_avals) + len(loop.y_avals) + 1
+        outs[stats] = _batched.merge_stats(outs[stats], _per_device.Across())
+        return outs, [None if j == stats else 0 for j in range(len(outs))]
     flags = tuple(d is not None for d in dims)
     level = Level(_size(args, dims), flags)
     args = [_move(x, d) for x, d in zip(args, dims, strict=True)]
@@ -311,6 +359,10 @@ mlir.register_lowering(lin_p, mlir.lower_fun(_lin_impl, multiple_results=True))
 
 
 def _lin_batch(args, dims, *, loop, batch, pert, plan, keep, use_ext):
+    if not _per_sample_draws(loop):
+        params = dict(loop=loop, batch=batch, pert=pert, plan=plan, keep=keep, use_ext=use_ext)
+        outs = _one_at_a_time(lin_p, args, dims, params)
+        return outs, [0] * len(outs)
     flags = tuple(d is not None for d in dims)
     lay = _LinLayout.of(loop, pert, plan, keep)
     sizes = lay.sizes()
@@ -390,6 +442,10 @@ ad.primitive_transposes[lin_p] = _lin_transpose
 
 
 def _bwd_batch(args, dims, *, loop, batch, pert, plan, use_ext):
+    if not _per_sample_draws(loop):
+        params = dict(loop=loop, batch=batch, pert=pert, plan=plan, use_ext=use_ext)
+        outs = _one_at_a_time(bwd_p, args, dims, params)
+        return outs, [0] * len(outs)
     flags = tuple(d is not None for d in dims)
     nk, nx, nc = loop.n_consts, len(loop.x_avals), len(loop.carry_avals)
     if flags[nk + nx + 2 + nc]:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _vma
+from ._budget import recompute_slots
 from ._leaves import (
     column,
     gather_rows,
@@ -234,6 +235,13 @@ def backward(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, steps, ct
         acc=const_accumulators(pert, consts, c_axes, B, per_row),
         ct_xs=[jnp.zeros_like(a) for a in take(xs, pert.xs)],
     )
+    # One segment's recomputed carries, allocated once for every segment; a long segment
+    # recomputes its sub-checkpoints first (``lb1``), then each sub-segment into ``lb``.
+    inner, sub = recompute_slots(S)
+    if S > 1:
+        state["lb"] = [_vma.zeros((B, inner), a) for a in loop.carry_avals]
+    if sub:
+        state["lb1"] = [_vma.zeros((B, sub), a) for a in loop.carry_avals]
 
     def segment_body(s):
         j = nseg - 1 - s["r"]
@@ -243,9 +251,11 @@ def backward(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, steps, ct
         c0 = gather_rows(buf, jnp.maximum(j, 0))
         if S == 1:
             s = reverse_step(s, start, c0, seg_act)
-        else:
+        elif not sub:
             s = _recompute_and_unwind(loop, vstep, consts, xs, kd, s, start, length, c0,
                                       reverse_step)  # fmt: skip
+        else:
+            s = _two_level(loop, vstep, consts, xs, kd, s, start, length, c0, reverse_step)
         s = dict(s)
         s["r"] = s["r"] + 1
         return s
@@ -254,30 +264,62 @@ def backward(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, steps, ct
     return out["acc"], out["ct"], out["ct_xs"]
 
 
-def _recompute_and_unwind(loop: Loop, vstep, consts, xs, kd, s, start, length, c0, reverse_step):
-    """Recompute one segment's carries from its checkpoint ``c0`` into a buffer, then apply the
-    reverse steps over it, last step first."""
-    B, S = length.shape[0], loop.segment
-    lb0 = [_vma.zeros((B, S), a).at[:, 0].set(c)
-           for a, c in zip(loop.carry_avals, c0, strict=True)]  # fmt: skip
-    tmax = jnp.max(length)
+def _recompute(vstep, loop: Loop, consts, xs, kd, start, length, c0, buf, every: int, upto):
+    """Run the steps ``start + t - 1`` for ``t`` in ``[1, upto)`` from ``c0`` (rows with
+    ``t < length``), storing the carry before step ``start + t`` in ``buf[:, t // every]``
+    where ``every`` divides ``t``."""
+    B = length.shape[0]
 
-    def recompute(rs):
-        t, c, lb = rs
+    def body(rs):
+        t, c, b = rs
         act = t < length
         idx = start + t - 1
         new_c, _ = vstep(consts, c, gather_rows(xs, idx), loop.key_at(kd, idx))
         c = where_rows(act, new_c, c)
-        lb = scatter_rows(lb, jnp.broadcast_to(t, (B,)), c, act)
-        return t + 1, c, lb
+        b = scatter_rows(b, jnp.broadcast_to(t // every, (B,)), c, act & (t % every == 0))
+        return t + 1, c, b
 
-    _, _, lb = _vma.while_loop(
-        lambda rs: rs[0] < tmax, recompute, (jnp.ones((), jnp.int32), c0, lb0)
-    )
+    return _vma.while_loop(lambda rs: rs[0] < upto, body, (jnp.ones((), jnp.int32), c0, buf))[2]
+
+
+def _two_level(loop: Loop, vstep, consts, xs, kd, s, start, length, c0, reverse_step):
+    """One segment as :func:`_recompute_and_unwind` does it, in two levels: its carries every
+    ``inner`` steps into ``s["lb1"]``, then each sub-segment of ``inner`` steps, last first,
+    recomputed into ``s["lb"]`` and unwound (one more forward pass over the segment, for a
+    buffer of ``sqrt``-size pieces instead of one as long as the segment)."""
+    inner = s["lb"][0].shape[1]
+    s = dict(s)
+    lb1 = [b.at[:, 0].set(c) for b, c in zip(s.pop("lb1"), c0, strict=True)]
+    nsub = (length + inner - 1) // inner
+    lb1 = _recompute(vstep, loop, consts, xs, kd, start, length, c0, lb1, inner,
+                     jnp.max((nsub - 1) * inner) + 1)  # fmt: skip
+
+    def sub_segment(qs):
+        q, s = qs
+        sub_len = jnp.clip(length - q * inner, 0, inner)
+        c0q = gather_rows(lb1, jnp.broadcast_to(q, length.shape))
+        s = _recompute_and_unwind(loop, vstep, consts, xs, kd, s, start + q * inner, sub_len,
+                                  c0q, reverse_step)  # fmt: skip
+        return q - 1, s
+
+    s = _vma.while_loop(lambda qs: qs[0] >= 0, sub_segment, (jnp.max(nsub) - 1, s))[1]
+    return dict(s, lb1=lb1)
+
+
+def _recompute_and_unwind(loop: Loop, vstep, consts, xs, kd, s, start, length, c0, reverse_step):
+    """Recompute one segment's carries from its checkpoint ``c0`` into the buffer ``s["lb"]``,
+    then apply the reverse steps over it, last step first (a segment reads only the positions
+    it wrote, so the buffer is never cleared)."""
+    B = length.shape[0]
+    s = dict(s)
+    lb0 = [b.at[:, 0].set(c) for b, c in zip(s.pop("lb"), c0, strict=True)]
+    tmax = jnp.max(length)
+    lb = _recompute(vstep, loop, consts, xs, kd, start, length, c0, lb0, 1, tmax)
 
     def unwind(us):
         t, s = us
         state_c = gather_rows(lb, jnp.broadcast_to(t, (B,)))
         return t - 1, reverse_step(s, start + t, state_c, t < length)
 
-    return _vma.while_loop(lambda us: us[0] >= 0, unwind, (tmax - 1, s))[1]
+    s = _vma.while_loop(lambda us: us[0] >= 0, unwind, (tmax - 1, s))[1]
+    return dict(s, lb=lb)

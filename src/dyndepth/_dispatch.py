@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from . import _batched, _schedule, _single, _vma
+from . import _batched, _budget, _schedule, _single, _vma
 from ._leaves import broadcast_rows, merge, take
 from ._per_device import Across, partitioning, per_device
 from ._residuals import ResidualPlan
@@ -104,6 +104,7 @@ def forward(loop: Loop, batch: Batch, store: bool, plan: ResidualPlan | None,
             pert: Perturbed | None, operands: list) -> list:  # fmt: skip
     """Run the loop. ``operands``: consts, cconsts, init, xs, n, kd. Returns the flat outputs:
     carry, ys, steps, stats, and with ``store`` buf, stride, ext."""
+    loop = _budget.fitted(loop, batch)
     nk, ncc, nc = loop.n_consts, loop.n_cconsts, len(loop.carry_avals)
     nx = len(loop.x_avals)
     consts, cconsts = operands[:nk], operands[nk : nk + ncc]
@@ -230,6 +231,8 @@ def backward(loop: Loop, batch: Batch, pert: Perturbed, plan: ResidualPlan | Non
     """The reverse sweep. ``operands``: consts, xs, kd, steps, buf, stride, ext, ct_carry and
     ct_ys (perturbed leaves). Returns the cotangents of the perturbed consts, init and xs."""
     nk, nx, nc = loop.n_consts, len(loop.x_avals), len(loop.carry_avals)
+    if nc:  # the checkpoints the forward pass stored, whatever batch it ran over
+        loop = _budget.matching(loop, operands[nk + nx + 2], loop.carry_avals[0])
     ne = 0 if plan is None else len(plan.stored)
     consts, xs = operands[:nk], operands[nk : nk + nx]
     kd, steps = operands[nk + nx], operands[nk + nx + 1]

@@ -9,7 +9,7 @@ in how the user's function is wrapped and in the stop rule.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -83,32 +83,9 @@ def _uses_vmap_axis(loop: Any) -> bool:
     return bool(_compat.bound_axes(names) - set(_vma.manual_axes()))
 
 
-# With ``checkpoints=None`` the reverse-mode loops keep a buffer of ``max_depth`` carries per
-# sample; above this many bytes they store a bounded number of checkpoints instead, so that a
-# generous ``max_depth`` with small depths does not allocate gigabytes.
-STORED_CARRY_BUDGET = 64 * 2**20
-
-
-def bounded_checkpoints(init: Any, length: int) -> int | None:
-    """``None`` while ``length`` carries fit :data:`STORED_CARRY_BUDGET`, else the number of
-    checkpoints ``K`` for ``checkpoints=None``: the largest ``K = ceil(length / S)``, ``S`` a
-    power of two, whose ``K + S`` carries fit half the budget (the compiled backward pass may
-    hold two copies of the checkpoints); the smallest ``K + S`` when none fits."""
-    carry_bytes = sum(
-        jax.typeof(leaf).size * jax.typeof(leaf).dtype.itemsize for leaf in jax.tree.leaves(init)
-    )
-    if carry_bytes == 0 or length * carry_bytes <= STORED_CARRY_BUDGET:
-        return None
-    fits = STORED_CARRY_BUDGET // (2 * carry_bytes)
-    spacings = [2**e for e in range(max(length - 1, 1).bit_length() + 1)]
-    options = [(-(-length // s), s) for s in spacings]
-    inside = [k for k, s in options if k + s <= fits]
-    return max(inside) if inside else min(options, key=sum)[0]
-
-
 def _run(kind: StepKind, fn: Callable, cond_fn: Callable | None, init: Any, xs: Any, n: Any,
          key: Any, stacked: Any = None, *, length: int, strategy: str,
-         checkpoints: int | None, slots: int | tuple[int, ...] | None):  # fmt: skip
+         checkpoints: int | None, slots: int | tuple[int, ...] | str | None):  # fmt: skip
     """Trace the step, pick the strategy's runner and run. Returns ``(carry, ys, steps,
     stats)`` as the user's pytrees."""
     strategy = _checks.strategy_arg(strategy)
@@ -122,8 +99,6 @@ def _run(kind: StepKind, fn: Callable, cond_fn: Callable | None, init: Any, xs: 
             f"`slots`={slots} sets the per-sample scheduler of strategy 'auto' only, got "
             f"strategy={strategy!r}; drop it or use strategy='auto'"
         )
-    if checkpoints is None and strategy in ("auto", "checkpointed"):
-        checkpoints = bounded_checkpoints(init, length)
     keys, kd, key_example = _key_parts(key, "key")
     traced = trace_loop(
         kind, fn, cond_fn, init, xs, keys, key_example, stacked,
@@ -159,7 +134,7 @@ def repeat(
     key: Any = None,
     strategy: Strategy = "auto",
     checkpoints: int | None = None,
-    slots: int | Sequence[int] | None = None,
+    slots: int | Sequence[int] | Literal["work"] | None = None,
     checked: bool = False,
 ) -> Any:
     """Apply ``f`` to ``init`` ``depth`` times, where ``depth`` may be traced or batched.
@@ -234,22 +209,33 @@ def repeat(
       fill up), and recomputes the carries between two checkpoints during the backward pass
       into a buffer of ``S`` carries, ``S`` the smallest power of two with
       ``ceil(max_depth / S) <= K``. Memory: ``K + S`` carries; step evaluations: at most
-      ``3 * depth`` (exactly ``2 * depth`` when ``depth <= K``). ``None`` with ``max_depth``
-      carries over a fixed budget (64 MiB per sample) takes a bounded
-      ``K`` by itself: the largest ``K = ceil(max_depth / S)`` whose ``K + S`` carries fit
-      half the budget, so a generous ``max_depth`` with small depths never allocates
-      gigabytes (pass ``checkpoints`` explicitly to choose otherwise).
+      ``3 * depth`` (exactly ``2 * depth`` when ``depth <= K``). ``None`` stores every carry
+      while two copies of the whole loop's (``max_depth`` carries for every sample of the
+      batch, every level of ``vmap``) fit a budget of 512 MiB; above it, it takes a bounded
+      ``K`` by itself, the ``K = ceil(max_depth / S)`` that holds the fewest carries, a
+      segment of 64 or more steps being recomputed in two levels (sub-checkpoints every
+      ``sqrt(S)`` steps, one more forward pass over it): about ``3 * max_depth ** (1/3)``
+      carries per sample, so that a generous ``max_depth`` with small depths neither
+      allocates gigabytes nor spends time filling them. ``checkpoints=max_depth`` stores
+      every carry whatever the size.
 
     - ``slots``: under ``vmap`` with per-sample depths, ``"auto"`` runs the batch through the
-      per-sample scheduler (see :func:`repeat_batched`). ``None`` chooses at run time among
-      ``B, B/2, B/16, B/128, ..., 1`` (one compiled branch each) the largest count whose
-      wrap-around schedule executes at most ``sum(depth) / 16`` sample-steps more than
-      ``sum(depth)``; batches of 2 or fewer run unscheduled. An int fixes the count (one
-      branch). A sequence of ints is the counts to choose from by the same rule, one branch
-      each: fewer counts compile faster, and with ``1`` among them the bound still holds for
-      every distribution of depths (counts of ``B`` or more run the lockstep batch). For
-      ``while_loop``, whose stopping steps are unknown up front, the forward pass runs
-      ``slots`` slots (the largest of a sequence; ``ceil(B / 4)`` for ``None``) and its
+      per-sample scheduler (see :func:`repeat_batched`). ``None`` chooses at run time, by a
+      model of time, among ``B, B/2, B/4, B/8``, then down by a ratio of 4 (one compiled
+      branch each): the count of least ``C x (fixed + S x row)``, ``C`` the wrap-around
+      schedule's iterations in ``S`` slots, ``fixed`` what an iteration costs on the backend
+      whatever its rows and ``row`` what the step costs on one sample (read from the step's
+      operations; see :func:`set_iteration_cost`). Counts below ``fixed / 8`` rows are left
+      out: where an iteration's fixed cost dwarfs the step (a GPU, a small step), a batch may
+      run in lockstep, one copy of the step. ``"work"`` chooses instead among ``B, B/2,
+      B/16, B/128, ..., 1`` the largest count whose schedule executes at most
+      ``sum(depth) / 16`` sample-steps more than ``sum(depth)``: that bound holds for every
+      distribution of depths, forward and backward. Batches of 2 or fewer run unscheduled.
+      An int fixes the count (one branch); a sequence of ints is the counts the time model
+      chooses among (counts of ``B`` or more run the lockstep batch). For ``while_loop``,
+      whose stopping steps are unknown up front, the forward pass runs
+      ``slots`` slots (the largest of a sequence; for ``None`` and ``"work"``, ``ceil(B / 4)``,
+      or all ``B`` where an iteration's fixed cost outweighs ``B / 4`` rows) and its
       backward pass follows the rule above. Other strategies reject it; outside ``vmap``
       there is nothing to schedule.
 
@@ -296,7 +282,7 @@ def scan(
     key: Any = None,
     strategy: Strategy = "auto",
     checkpoints: int | None = None,
-    slots: int | Sequence[int] | None = None,
+    slots: int | Sequence[int] | Literal["work"] | None = None,
     checked: bool = False,
 ) -> tuple[Any, Any]:
     """Like ``lax.scan``, but only the first ``depth`` of the ``length`` steps run.
@@ -398,7 +384,7 @@ def while_loop(
     strategy: Strategy = "auto",
     checkpoints: int | None = None,
     return_steps: bool = False,
-    slots: int | Sequence[int] | None = None,
+    slots: int | Sequence[int] | Literal["work"] | None = None,
 ) -> Any:
     """A bounded while loop with a data-dependent stop, reverse-differentiable.
 
@@ -456,7 +442,7 @@ def repeat_batched(
     *,
     max_depth: int,
     keys: Any = None,
-    slots: int | Sequence[int] | None = None,
+    slots: int | Sequence[int] | Literal["work"] | None = None,
     checkpoints: int | None = None,
     return_stats: bool = False,
     checked: bool = False,
@@ -488,13 +474,13 @@ def repeat_batched(
       ``[0, max_depth]`` raise, traced ones are clamped.
     - ``max_depth``: static int ``>= 0``.
     - ``keys``: ``None`` or a batch of ``B`` keys (``jax.random.split(key, B)``).
-    - ``slots``: static int ``>= 1``, or ``None`` to choose at run time among
-      ``B, B/2, B/16, B/128, ..., 1`` the largest count that executes at most
-      ``sum(depths) / 16`` sample-steps more than ``sum(depths)`` (see :func:`repeat`): the
-      bound holds for every distribution of depths, forward and backward. More slots take
-      fewer iterations (``C``), which is what a wide accelerator wants. Each candidate count
-      is a compiled copy of ``f``, forward and backward; a sequence of counts (say
-      ``(B // 2, 1)``) chooses among those only, by the same rule, and compiles fewer.
+    - ``slots``: static int ``>= 1``; ``None`` to choose at run time the count of least
+      modeled time (see :func:`repeat`); ``"work"`` to choose the largest count that executes
+      at most ``sum(depths) / 16`` sample-steps more than ``sum(depths)``, a bound that holds
+      for every distribution of depths, forward and backward; or a sequence of counts for
+      the time model to choose among. More slots take fewer iterations (``C``), which is
+      what a wide accelerator wants. Each candidate count is a compiled copy of ``f``,
+      forward and backward: fewer counts compile faster.
     - ``checkpoints``: as :func:`repeat`.
     - ``checked``: as :func:`repeat`.
     - ``return_stats``: also return a dict of int32 values: ``iterations`` (loop iterations of

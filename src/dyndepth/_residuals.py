@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _vma
+from . import _budget, _vma
 from ._leaves import merge, take
 from ._step import Loop, Perturbed, step_consts
 
@@ -69,7 +69,7 @@ def _nbytes(avals) -> int:
 def residual_plan(loop: Loop, pert: Perturbed, consts, xs, kd) -> ResidualPlan | None:
     """Plan the stored-residual path of an unbatched loop, or ``None`` where it does not apply
     (checkpoint thinning, inside ``shard_map``, or residuals over the budget)."""
-    if loop.thinning or _vma.manual_axes() or not pert.any:
+    if _budget.fitted(loop, ()).thinning or _vma.manual_axes() or not pert.any:
         return None
     found = {}
 

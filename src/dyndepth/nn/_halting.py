@@ -50,7 +50,7 @@ def halting(
     key: Any = None,
     strategy: Strategy = "auto",
     checkpoints: int | None = None,
-    slots: int | Sequence[int] | None = None,
+    slots: int | Sequence[int] | Literal["work"] | None = None,
 ) -> HaltingResult:
     """Iterate a step until its cumulative halting probability reaches ``threshold``.
 

@@ -1,0 +1,70 @@
+"""An unused ``max_depth``: memory and time of value_and_grad as ``max_depth`` grows, depths fixed.
+
+``jax.value_and_grad`` of ``jax.vmap(dyndepth.repeat)`` (step ``x -> x + tanh(x @ W)``, a carry
+of 16 floats) with the same small depths at ``max_depth`` 100, 1,000, 10,000 and 100,000: the
+compiled program's temporary memory (XLA's memory analysis), its compile time and its run time
+(best of ``--repeats``), and each run time over the one at ``max_depth`` 100. Two batches: B=4096
+with depth 3 for every sample, and B=64 with depths uniform in [0, 20).
+
+How to run (from the repository root)::
+
+    .venv/bin/python benchmarks/max_depth.py             # the table in benchmarks/README.md
+    .venv/bin/python benchmarks/max_depth.py --quick     # max_depth 100 and 10,000 only
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+
+import dyndepth as dd
+
+
+def measure(batch: int, depths: jax.Array, max_depth: int, repeats: int) -> dict:
+    W = jax.random.normal(jax.random.PRNGKey(0), (16, 16)) * 0.1
+    xs = jax.random.normal(jax.random.PRNGKey(1), (batch, 16))
+
+    def loss(W, xs):
+        one = lambda x, d: dd.repeat(lambda c: c + jnp.tanh(c @ W), x, d, max_depth=max_depth)  # noqa: E731
+        return jnp.sum(jax.vmap(one)(xs, depths) ** 2)
+
+    t0 = time.perf_counter()
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(W, xs).compile()
+    compile_s = time.perf_counter() - t0
+    jax.block_until_ready(compiled(W, xs))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(W, xs))
+        times.append(time.perf_counter() - t0)
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    return dict(temp_mib=temp / 2**20, compile_s=compile_s, run_ms=1e3 * min(times))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--quick", action="store_true")
+    a = p.parse_args()
+    max_depths = (100, 10_000) if a.quick else (100, 1_000, 10_000, 100_000)
+    print(f"jax {jax.__version__}, {jax.devices()[0].platform}, best of {a.repeats} runs\n")
+    print("| batch, depths | max_depth | temp MiB | compile s | run ms | run / max_depth 100 |")
+    print("|---|---|---|---|---|---|")
+    batches = {
+        "B=4096, depth 3": (4096, jnp.full((4096,), 3, jnp.int32)),
+        "B=64, depths in [0, 20)": (64, jax.random.randint(jax.random.PRNGKey(2), (64,), 0, 20)),
+    }
+    for name, (batch, depths) in batches.items():
+        base = None
+        for md in max_depths:
+            r = measure(batch, depths, md, a.repeats)
+            base = base or r["run_ms"]
+            print(f"| {name} | {md:,} | {r['temp_mib']:.0f} | {r['compile_s']:.1f} | "
+                  f"{r['run_ms']:.1f} | {r['run_ms'] / base:.2f} |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -17,10 +17,11 @@ Every gradient the code computes is checked (:class:`GradientGuard`): a concrete
 of one) must be finite and not zero everywhere, so that an example cannot pass by comparing two
 zero gradients, or print ``inf``.
 
-Code runs under JAX's default (standard) dtype promotion, as a reader's does, not the suite's
-strict one. Docstring examples are the indented blocks after a line ending in ``Example::`` or
-``Examples::``, and ``>>>`` doctests; they run with ``jax``, ``jnp``, ``dyndepth`` and ``key``
-(``jax.random.key(0)``) defined.
+Code runs under JAX's default (standard) dtype promotion and with the scheduler's measured time
+model, as a reader's does, not the suite's strict promotion and test cost model
+(tests/conftest.py). Docstring examples are the indented blocks after a line ending in
+``Example::`` or ``Examples::``, and ``>>>`` doctests; they run with ``jax``, ``jnp``,
+``dyndepth`` and ``key`` (``jax.random.key(0)``) defined.
 """
 
 from __future__ import annotations
@@ -212,6 +213,19 @@ def _run_block(b: Block, namespace: dict) -> None:
         )
 
 
+@contextlib.contextmanager
+def readers_time_model():
+    """The scheduler's measured time model for this backend while the block runs (the suite
+    prices an iteration at one row instead; see tests/conftest.py), then the suite's again."""
+    platform = jax.default_backend()
+    suites = dyndepth._cost.backend_cost(platform)
+    dyndepth.set_iteration_cost(platform, None)
+    try:
+        yield
+    finally:
+        dyndepth.set_iteration_cost(platform, suites)
+
+
 def _computes_gradients(code: str) -> bool:
     return bool(re.search(r"\bjax\.(grad|value_and_grad|jacrev|hessian)\(", code))
 
@@ -228,7 +242,7 @@ def test_page_code_runs(page):
     guard = GradientGuard()
     guard.install()
     try:
-        with jax.numpy_dtype_promotion("standard"):
+        with jax.numpy_dtype_promotion("standard"), readers_time_model():
             for b in here:
                 _run_block(b, namespace)
     finally:
@@ -300,7 +314,7 @@ def _docstring_examples(doc: str) -> list[str]:
 def test_docstring_examples_run(name):
     doc = inspect.getdoc(_public_object(name)) or ""
     namespace = {"jax": jax, "jnp": jnp, "dyndepth": dyndepth, "key": jax.random.key(0)}
-    with jax.numpy_dtype_promotion("standard"):
+    with jax.numpy_dtype_promotion("standard"), readers_time_model():
         for code in _docstring_examples(doc):
             exec(compile(code, f"<docstring of {name}>", "exec"), dict(namespace))
         parser = doctest.DocTestParser()

@@ -105,8 +105,9 @@ def initialize(a, *, progress_every: float = 10.0, first_progress: float = 2.0) 
     it says on stderr what it waits for (after ``first_progress`` seconds, then every
     ``progress_every``), stops at Ctrl-C (raises :class:`~dyndepth._app.args.Interrupted`),
     and after ``--coordinator-timeout`` seconds raises :class:`JoinFailed`. Either way the
-    blocked thread remains: the caller must end the process with ``os._exit`` (see
-    :func:`dyndepth._app.cli.main`), since JAX's exit handlers would wait for it.
+    blocked thread remains: the caller must end the process with ``os._exit`` (as
+    ``dyndepth demo`` does), since JAX's exit handlers would wait for it. Once joined, the CPU
+    collectives connect at once, quietly (:func:`_connect_quietly`).
     """
     # Collectives between CPU devices of different processes need an implementation; gloo comes
     # with jaxlib. The setting concerns the CPU backend only, so it is harmless on accelerators.

@@ -8,6 +8,7 @@ in how the user's function is wrapped and in the stop rule.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -125,6 +126,29 @@ def _carry_kind(with_key: bool, fname: str) -> StepKind:
                     fname=fname)  # fmt: skip
 
 
+def _indexed(with_index: bool, kind: StepKind, fn: Callable, xs: Any,
+             length: int) -> tuple[StepKind, Callable, Any]:  # fmt: skip
+    """``(kind, step, xs)`` for the loop. With ``with_index``, ``fn(i, carry[, x][, key])`` runs
+    as a step whose per-step input is ``(i, x)`` (``i`` alone without ``xs``), ``i`` read from
+    ``jnp.arange(length)``: a sample reads the input of its own step (under the per-sample
+    scheduler too), so ``i`` is that sample's own step number, the one its key is folded with.
+    The index is an input shared by a vmapped batch, not a carry: nothing more is stored."""
+    if not _checks.bool_arg(with_index, "with_index"):
+        return kind, fn, xs
+    index = jnp.arange(length, dtype=jnp.int32)
+    if kind.with_x:
+
+        def with_x(carry, ix, *key):
+            return fn(ix[0], carry, ix[1], *key)
+
+        return kind, with_x, (index, xs)
+
+    def step(carry, i, *key):
+        return fn(i, carry, *key)
+
+    return dataclasses.replace(kind, with_x=True), step, index
+
+
 def repeat(
     f: Callable,
     init: Any,
@@ -136,6 +160,7 @@ def repeat(
     checkpoints: int | None = None,
     slots: int | Sequence[int] | Literal["work"] | None = None,
     checked: bool = False,
+    with_index: bool = False,
 ) -> Any:
     """Apply ``f`` to ``init`` ``depth`` times, where ``depth`` may be traced or batched.
 
@@ -242,12 +267,17 @@ def repeat(
     - ``checked``: verify a traced ``depth`` at run time instead of clamping it: a value outside
       ``[0, max_depth]`` raises (under jit and vmap) with the value and, under vmap, its batch
       index. Costs one host callback per call.
+    - ``with_index``: call ``f(i, carry)`` (``f(i, carry, key)`` with ``key``), ``i`` the step's
+      index, an int32 scalar from 0, as ``lax.fori_loop`` calls ``body_fun(i, val)``: a key
+      schedule like ``fold_in(key, offset + i)`` or a per-step embedding without threading a
+      counter through the carry. Under ``vmap`` it is each sample's own step number (the one
+      its key is folded with), under the per-sample scheduler too. It is read from a shared
+      ``jnp.arange(max_depth)``: nothing is stored per sample and the carry is unchanged.
+      :func:`scan`, :func:`while_loop`, :func:`repeat_batched` and
+      ``dyndepth.nn.recurrent_depth`` take it too.
 
     **Returns:** the carry after ``min(max(depth, 0), max_depth)`` applications of ``f``.
     ``depth == 0`` returns ``init``.
-
-    **The step index:** ``dyndepth.scan(g, init, jnp.arange(max_depth), depth=depth)`` gives
-    step ``i`` the index ``i`` as its ``x`` (shared by a vmapped batch, not stored per sample).
 
     **Raises** (at trace time): ``TypeError`` if ``f`` is not callable, if ``key`` is not a PRNG
     key, if ``depth`` is not an integer, if ``checked`` is not a bool, or if ``f`` changes the
@@ -265,8 +295,9 @@ def repeat(
     slots = _checks.slots_arg(slots)
     checked = _checks.bool_arg(checked, "checked")
     n = _checks.count_arg(depth, "depth", "max_depth", max_depth, checked)
+    kind, step, xs = _indexed(with_index, _carry_kind(key is not None, "f"), f, None, max_depth)
     carry, _, _, _ = _run(
-        _carry_kind(key is not None, "f"), f, None, init, None, n, key,
+        kind, step, None, init, xs, n, key,
         length=max_depth, strategy=strategy, checkpoints=checkpoints, slots=slots,
     )  # fmt: skip
     return carry
@@ -284,6 +315,7 @@ def scan(
     checkpoints: int | None = None,
     slots: int | Sequence[int] | Literal["work"] | None = None,
     checked: bool = False,
+    with_index: bool = False,
 ) -> tuple[Any, Any]:
     """Like ``lax.scan``, but only the first ``depth`` of the ``length`` steps run.
 
@@ -304,7 +336,8 @@ def scan(
     static int; required when ``xs`` is ``None``, else it must equal the leading axis of
     ``xs``). ``f(carry, x) -> (carry, y)``, or ``f(carry, x, key)`` when ``key`` is given;
     ``y`` is any pytree of arrays (or ``None``). ``depth`` is a loop count in
-    ``[0, length]``, traced values clamped into it.
+    ``[0, length]``, traced values clamped into it. With ``with_index=True``,
+    ``f(i, carry, x)`` (``f(i, carry, x, key)`` with ``key``), ``i`` the step's index.
 
     **Returns:** ``(carry, ys)``: ``ys`` stacks the per-step outputs along a leading axis of size
     ``length``; rows at steps ``>= depth`` are zeros. Per-step losses (progressive loss,
@@ -342,8 +375,9 @@ def scan(
     checked = _checks.bool_arg(checked, "checked")
     n = _checks.count_arg(depth, "depth", "length", length, checked)
     kind = StepKind(with_x=True, with_key=key is not None, with_stacked=False, returns_y=True)
+    kind, step, xs = _indexed(with_index, kind, f, xs, length)
     carry, ys, _, _ = _run(
-        kind, f, None, init, xs, n, key,
+        kind, step, None, init, xs, n, key,
         length=length, strategy=strategy, checkpoints=checkpoints, slots=slots,
     )  # fmt: skip
     return carry, ys
@@ -385,6 +419,7 @@ def while_loop(
     checkpoints: int | None = None,
     return_steps: bool = False,
     slots: int | Sequence[int] | Literal["work"] | None = None,
+    with_index: bool = False,
 ) -> Any:
     """A bounded while loop with a data-dependent stop, reverse-differentiable.
 
@@ -408,6 +443,8 @@ def while_loop(
     - ``max_steps``: static Python int ``>= 0``; the loop stops there even if ``cond_fun`` still
       holds.
     - ``return_steps``: also return the number of steps taken (an int32 scalar).
+    - ``with_index``: ``body_fun(i, carry)`` (``body_fun(i, carry, key)`` with ``key``), ``i``
+      the step's index, as for :func:`repeat`; ``cond_fun`` still takes the carry alone.
 
     **Transformations:** as :func:`repeat` for each strategy. Under ``vmap`` with a per-sample
     predicate, every sample stops at its own step; finished samples are masked.
@@ -427,9 +464,10 @@ def while_loop(
     checkpoints = _checks.checkpoints_arg(checkpoints)
     slots = _checks.slots_arg(slots)
     return_steps = _checks.bool_arg(return_steps, "return_steps")
+    kind = _carry_kind(key is not None, "body_fun")
+    kind, step, xs = _indexed(with_index, kind, body_fun, None, max_steps)
     carry, _, steps, _ = _run(
-        _carry_kind(key is not None, "body_fun"), body_fun, cond_fun, init, None,
-        jnp.asarray(max_steps, jnp.int32), key,
+        kind, step, cond_fun, init, xs, jnp.asarray(max_steps, jnp.int32), key,
         length=max_steps, strategy=strategy, checkpoints=checkpoints, slots=slots,
     )  # fmt: skip
     return (carry, steps) if return_steps else carry
@@ -446,6 +484,7 @@ def repeat_batched(
     checkpoints: int | None = None,
     return_stats: bool = False,
     checked: bool = False,
+    with_index: bool = False,
 ) -> Any:
     """Per-sample depths for a batch, scheduled so that the work is close to ``sum(depths)``.
 
@@ -483,6 +522,8 @@ def repeat_batched(
       forward and backward: fewer counts compile faster.
     - ``checkpoints``: as :func:`repeat`.
     - ``checked``: as :func:`repeat`.
+    - ``with_index``: ``f(i, carry)`` (``f(i, carry, key)`` with ``keys``), ``i`` the sample's
+      own step number (see :func:`repeat`).
     - ``return_stats``: also return a dict of int32 values: ``iterations`` (loop iterations of
       the forward pass; inside ``shard_map``, this device's; under plain ``jit`` with the
       batch sharded over ``Explicit`` mesh axes, the longest device's loop and the sum over
@@ -513,11 +554,11 @@ def repeat_batched(
         _checks.leading_axis(keys, "keys", B)
         check_key(jax.ShapeDtypeStruct(keys.shape[1:], keys.dtype), "keys[0]")
 
-    kind = _carry_kind(keys is not None, "f")
+    kind, step, xs = _indexed(with_index, _carry_kind(keys is not None, "f"), f, None, max_depth)
 
     def one(init, depth, key):
         carry, _, _, stats = _run(
-            kind, f, None, init, None, depth, key,
+            kind, step, None, init, xs, depth, key,
             length=max_depth, strategy="auto", checkpoints=checkpoints, slots=slots,
         )  # fmt: skip
         return carry, stats

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .. import _vma
@@ -50,6 +51,7 @@ def recurrent_depth(
     readout: Callable | None = None,
     strategy: Strategy = "auto",
     checkpoints: int | None = None,
+    with_index: bool = False,
 ) -> Any:
     """Run a recurrent core ``n + k`` times, backpropagating through the last ``k`` steps only.
 
@@ -106,6 +108,9 @@ def recurrent_depth(
       the first ``n`` iterations run with ``"auto"`` when it is ``"auto"`` (the per-sample
       scheduler under ``vmap``) and with ``"while"`` otherwise.
     - ``checkpoints``: passed to the differentiated phase.
+    - ``with_index``: call ``core(j, state, x)`` (``core(j, state, x, key)`` with ``key``), ``j``
+      the iteration's index over all ``n + k`` iterations (an int32 scalar, each sample's own
+      under ``vmap``: the number its key is folded with), as ``lax.fori_loop`` gives it.
 
     **Returns:** the final state, or ``(state, ys)`` with ``return_all``.
 
@@ -121,35 +126,41 @@ def recurrent_depth(
     if readout is not None:
         v.callable_arg(readout, "readout")
     return_all = v.bool_arg(return_all, "return_all")
+    with_index = v.bool_arg(with_index, "with_index")
     max_n = v.static_int(max_n, "max_n")
     max_k = v.static_int(max_k, "max_k")
     n = v.count_arg(n, "n", "max_n", max_n)
     k = v.count_arg(k, "k", "max_k", max_k)
     v.strategy_arg(strategy)
     state = jax.tree_util.tree_map(jnp.asarray, state)
+
+    def call(i, s, x, *kk):  # the user's core, given the iteration's index if it asks for it
+        return core(i, s, x, *kk) if with_index else core(s, x, *kk)
+
+    i_example = np.zeros((), np.int32)  # concrete, also under jit
     if key is not None:
         v.key_arg(key)
         key_example = jax.random.fold_in(key, 0)
-        out_shape = jax.eval_shape(core, state, x, key_example)
+        out_shape = jax.eval_shape(call, i_example, state, x, key_example)
     else:
         key_example = None
-        out_shape = jax.eval_shape(core, state, x)
+        out_shape = jax.eval_shape(call, i_example, state, x)
     v.same_structure(state, out_shape, "core", "state")
 
     # Phase 1: n iterations, nothing differentiated.
     if key is None:
-        frozen = _stopped(lambda s, x: core(s, x), state, x)
+        frozen = _stopped(lambda i, s, x: call(i, s, x), i_example, state, x)
     else:
-        frozen = _stopped(lambda s, x, kk: core(s, x, kk), state, x, key_example)
+        frozen = _stopped(lambda i, s, x, kk: call(i, s, x, kk), i_example, state, x, key_example)
     x_stopped = lax.stop_gradient(x)
-    if key is None:
+    if with_index:
 
-        def f1(s):
-            return frozen(s, x_stopped)
+        def f1(i, s, *kk):
+            return frozen(i, s, x_stopped, *kk)
     else:
 
-        def f1(s, kk):
-            return frozen(s, x_stopped, kk)
+        def f1(s, *kk):
+            return frozen(i_example, s, x_stopped, *kk)
 
     s_n = repeat(
         f1,
@@ -158,6 +169,7 @@ def recurrent_depth(
         max_depth=max_n,
         key=key,
         strategy="auto" if strategy == "auto" else "while",
+        with_index=with_index,
     )
     s_n = jax.tree_util.tree_map(lambda a, b: jnp.where(n == 0, a, b), state, s_n)
 
@@ -169,9 +181,9 @@ def recurrent_depth(
     def f2(carry, _):
         s, i = carry
         if key is None:
-            s = core(s, x)
+            s = call(i, s, x)
         else:
-            s = core(s, x, keys.key_at(key_data, i))
+            s = call(i, s, x, keys.key_at(key_data, i))
         y = (readout(s) if readout is not None else s) if return_all else None
         return (s, i + 1), y
 

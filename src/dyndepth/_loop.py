@@ -75,6 +75,40 @@ def _check_no_collective_over_uneven_trip_counts(loop: Any, fname: str, n: Any, 
         )
 
 
+def _check_no_auto_axes_around_uneven_trip_counts(loop: Any, fname: str, n: Any, init: Any):
+    """Inside a ``shard_map`` manual over some mesh axes only, XLA partitions the step over the
+    others (``Auto`` axes) itself, and may put collectives inside the loop whose rendezvous takes
+    every device (seen: collective-permutes of a transformer block's gradient, with its weights
+    split over ``model``). When the number of steps varies over a manual axis, the devices that
+    stop early never join them and the program hangs or aborts: raise at trace time instead.
+    What XLA will emit is not known when the loop is traced, so any such loop raises."""
+    manual = set(_vma.manual_axes())
+    if not manual:
+        return
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = [name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+            if name not in manual and kind == jax.sharding.AxisType.Auto
+            and mesh.shape[name] > 1]  # fmt: skip
+    uneven = [a for a in _vma.state_axes_of([n] + ([init] if loop.cond_jaxpr is not None else []))
+              if a in manual]  # fmt: skip
+    if not (auto and uneven):
+        return
+    everything = tuple(mesh.axis_names)
+    raise ValueError(
+        f"`{fname}` runs inside a jax.shard_map that is manual over {sorted(manual)} only; "
+        f"XLA partitions the step over the other mesh axes {auto} (Auto) itself and may put "
+        "collectives over every device inside the loop, while the number of steps varies over "
+        f"{uneven[0]!r} (a per-device depth or stop condition): the devices that stop early "
+        "would never join them and the program would hang. Instead, make the shard_map manual "
+        f"over every mesh axis (axis_names={set(everything)}, or leave axis_names out), split "
+        f"the weights with in_specs (such as P(None, {auto[0]!r})) and write the step's "
+        f"reductions over {auto[0]!r} yourself (lax.psum); or use plain jax.jit on a mesh with "
+        "Explicit axes (jax.make_mesh(..., axis_types=(AxisType.Explicit,) * k) under "
+        "jax.set_mesh), where the weights stay split inside the loop; or give every device the "
+        "same depth, or use strategy='masked' (every device runs max_depth steps)"
+    )
+
+
 def _uses_vmap_axis(loop: Any) -> bool:
     """Whether the step or predicate uses the axis of an enclosing ``vmap`` (a collective or
     ``axis_index`` over it): then every sample must step in lockstep with the others."""
@@ -114,6 +148,7 @@ def _run(kind: StepKind, fn: Callable, cond_fn: Callable | None, init: Any, xs: 
         carry, ys, steps, stats = _masked.run(loop, *operands)
     else:
         _check_no_collective_over_uneven_trip_counts(loop, kind.fname, n, traced.init)
+        _check_no_auto_axes_around_uneven_trip_counts(loop, kind.fname, n, traced.init)
         # Under jit, arrays placed on a mesh with Explicit axes are typed with it: the loop's
         # own buffers are then created under that mesh too (as under jax.set_mesh).
         with _vma.mesh_context(operands):

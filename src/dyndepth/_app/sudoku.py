@@ -49,16 +49,16 @@ GENERATOR_VERSION = 1
 @dataclass(frozen=True)
 class SudokuConfig:
     # model
-    width: int = 64
-    hidden: int = 128
+    width: int = 16  # channels per (cell, digit)
+    hidden: int = 32
     layers: int = 2
     cycles: int = 2  # per outer step; gradient through the last one
-    latent_steps: int = 3  # z updates per cycle
+    latent_steps: int = 2  # z updates per cycle
     max_steps: int = 16  # outer steps, in training and evaluation
     # training
-    batch: int = 128
-    steps: int = 1200
-    lr: float = 2e-3
+    batch: int = 32
+    steps: int = 2000
+    lr: float = 3e-3
     warmup: int = 50
     weight_decay: float = 0.1
     halt_weight: float = 0.5
@@ -66,6 +66,8 @@ class SudokuConfig:
     max_givens: int = 45
     train_paths: int = 500
     seed: int = 0
+    # at most this many minutes of training steps per call (a later call resumes); 0: no limit
+    train_minutes: float = _eval(6.0)
     # evaluation
     test_per_bucket: int = _eval(100)
     halt_rule: str = _eval("valid")
@@ -90,18 +92,19 @@ QUICK = dict(
 
 # ``--preset gpu``: a larger model and longer training for one accelerator.
 GPU = dict(
-    width=128,
-    hidden=256,
+    width=32,
+    hidden=64,
     layers=2,
-    latent_steps=4,
+    latent_steps=2,
     max_steps=16,
-    batch=512,
-    steps=8000,
-    lr=1e-3,
+    batch=256,
+    steps=6000,
+    lr=2e-3,
     warmup=200,
-    train_paths=4000,
+    train_paths=3000,
     min_givens=17,
     max_givens=40,
+    train_minutes=8.0,
     test_per_bucket=500,
 )
 PRESETS = {"cpu": {}, "gpu": GPU}
@@ -441,7 +444,18 @@ def evaluate(params, cfg, test, log):
     fixed_by_step = {
         b: traj[0][:, bucket == i].mean(axis=1).tolist() for i, b in enumerate(sd.BUCKETS)
     }
+    givens = np.asarray(test["givens"])
+    by_givens = {}
+    for lo, hi in ((17, 25), (26, 35), (36, 45)):
+        sel = (givens >= lo) & (givens <= hi)
+        if sel.any():
+            by_givens[f"{lo}-{hi}"] = {
+                "puzzles": int(sel.sum()),
+                "accuracy": float(solved_dd[sel].mean()),
+                "fixed_accuracy": float(solved_fixed[sel].mean()),
+            }
     return {
+        "accuracy_by_givens": by_givens,
         "accuracy_by_difficulty": _by_bucket(solved_dd, bucket),
         "steps_by_difficulty": _by_bucket(steps_dd, bucket),
         "fixed_accuracy_by_difficulty": _by_bucket(solved_fixed, bucket),
@@ -665,6 +679,13 @@ def add_arguments(p):
         "--json", default=None, metavar="FILE", help="(--task sudoku) also write results here"
     )
     p.add_argument(
+        "--train-minutes",
+        type=float,
+        default=None,
+        help="(--task sudoku) stop training after this many minutes (default 6; the same "
+        "command resumes it; 0: no limit, train all --steps)",
+    )
+    p.add_argument(
         "--test-per-bucket",
         type=int_at_least(1),
         default=None,
@@ -684,7 +705,7 @@ _OTHER_TASK = {
     "num_processes": None,
     "process_id": None,
 }
-_SUDOKU_ONLY = ("preset", "halt_rule", "json", "test_per_bucket")
+_SUDOKU_ONLY = ("preset", "halt_rule", "json", "test_per_bucket", "train_minutes")
 
 
 def wrong_task_flag(a):
@@ -707,7 +728,7 @@ def config_from_args(a):
     values.update(PRESETS[a.preset or "cpu"])
     if a.quick:
         values.update(QUICK)
-    for name in ("width", "batch", "steps", "lr", "test_per_bucket", "halt_rule"):
+    for name in ("width", "batch", "steps", "lr", "test_per_bucket", "halt_rule", "train_minutes"):
         if getattr(a, name, None) is not None:
             values[name] = getattr(a, name)
     values["seed"] = a.seed

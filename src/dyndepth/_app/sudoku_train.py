@@ -233,7 +233,13 @@ def train(cfg, pool, out_dir, *, config_from_json, training_fields, log, stop_at
     history, times = [], []
     t_start = time.perf_counter()
     step = start
+    budget = 60 * cfg.train_minutes if cfg.train_minutes > 0 else float("inf")
+    timed_out = False
     while step < end:
+        if time.perf_counter() - t_start > budget:
+            save(step)
+            timed_out = True
+            break
         if interrupt_requested():
             save(step)
             if bar is not None:
@@ -262,13 +268,24 @@ def train(cfg, pool, out_dir, *, config_from_json, training_fields, log, stop_at
             bar.set_postfix(loss=f"{m['loss']:.3f}", solved=f"{m['solved']:.2f}")
         if step % every == 0 or step == end:
             history.append({"step": step, **m})
-            if bar is None:
-                log(f"[sudoku] step {step} loss {m['loss']:.4f} solved {m['solved']:.2f}")
+            if bar is None or bar.disable:  # no bar (stderr is not a terminal): a log line
+                log(
+                    f"[sudoku] step {step} loss {m['loss']:.4f}, solved {m['solved']:.2f} of "
+                    f"the batch, {time.perf_counter() - t_start:.0f} s"
+                )
             save(step)
     if bar is not None:
         bar.close()
+    if timed_out:
+        log(
+            f"[sudoku] stopped at step {step} of {cfg.steps}: the training time limit of "
+            f"{cfg.train_minutes:g} minutes is used up (the same command resumes the training; "
+            "--train-minutes 0 lifts the limit)"
+        )
     figures = {
         "steps_run": step - start,
+        "step": step,
+        "stopped_by_time_limit": timed_out,
         "train_seconds": time.perf_counter() - t_start,
         "median_step_seconds": float(np.median(times)) if times else None,
         "history": history,

@@ -44,8 +44,9 @@ import numpy as np
 from jax import lax
 
 import dyndepth as dd
+from dyndepth import _cost as dd_cost
 from dyndepth._app.bench import time_in_rounds
-from dyndepth._schedule import slot_candidates
+from dyndepth._schedule import SlotRule
 
 
 def depths_of(name: str, key: jax.Array, batch: int, hi: int) -> jax.Array:
@@ -127,7 +128,9 @@ def loss_of(run, max_depth):
 
 
 def work_table(batches, hi):
-    print(f"\n### Work: executed / useful sample-steps, forward (max depth {hi})\n")
+    """The work rule (``slots="work"``) on a step of one addition: the bound it keeps."""
+    print(f"\n### Work: executed / useful sample-steps, forward, slots=\"work\" "
+          f"(max depth {hi})\n")  # fmt: skip
     print("| distribution | " + " | ".join(f"B={b}" for b in batches) + " |")
     print("|---|" + "---|" * len(batches))
     for i, name in enumerate(DISTRIBUTIONS):
@@ -135,7 +138,9 @@ def work_table(batches, hi):
         for b in batches:
             ds = depths_of(name, jax.random.PRNGKey(i), b, hi)
             xs = jnp.zeros((b, 1))
-            _, st = dd.repeat_batched(lambda x: x + 1.0, xs, ds, max_depth=hi, return_stats=True)
+            _, st = dd.repeat_batched(
+                lambda x: x + 1.0, xs, ds, max_depth=hi, slots="work", return_stats=True
+            )
             useful, executed = int(st["useful_sample_steps"]), int(st["executed_sample_steps"])
             ratio = "exact (0 = 0)" if useful == 0 else f"{executed / useful:.3f}"
             cells.append(f"{ratio} ({int(st['iterations'])} it.)")
@@ -195,14 +200,16 @@ def time_table(batch, width, hi, repeats):
 
 
 def distribution_table(batch, width, hi, repeats):
-    """Forward time on every distribution: the default slot counts, two (``B/2`` and 1: fewer
-    compiled branches), and the unscheduled lockstep loop (``"checkpointed"``), which runs
-    every sample to the batch's deepest."""
+    """Forward time on every distribution: the default slot rule (time), the work rule
+    (``slots="work"``), two counts (``B/2`` and 1: fewer compiled branches), and the
+    unscheduled lockstep loop (``"checkpointed"``), which runs every sample to the batch's
+    deepest."""
     kw, kx = jax.random.split(jax.random.PRNGKey(1))
     W = jax.random.normal(kw, (width, width)) / (2 * np.sqrt(width))
     xs = jax.random.normal(kx, (batch, width))
     kinds = {
         "default": dict(strategy="auto"),
+        'slots="work"': dict(strategy="auto", slots="work"),
         "slots=(B/2, 1)": dict(strategy="auto", slots=(batch // 2, 1)),
         "lockstep": dict(strategy="checkpointed"),
     }
@@ -266,6 +273,18 @@ def compile_seconds(strategy, batch, width, hi, slots=None, step="tanh"):
     return statistics.median(times[1:])  # the first fills JAX's caches for these shapes
 
 
+def default_counts(batch, width, step):
+    """The slot counts the default rule compiles for the step on this backend."""
+    if step == "tanh":
+        fn, x = layer(jnp.zeros((width, width))), jnp.zeros((width,))
+    else:
+        p = {n: jnp.zeros((width, m * width)) for n, m in (("q", 1), ("k", 1), ("v", 1), ("o", 1))}
+        p |= dict(up=jnp.zeros((width, 4 * width)), down=jnp.zeros((4 * width, width)))
+        fn, x = (lambda x: block(p, x)), jnp.zeros((SEQ, width))
+    flops = dd_cost.jaxpr_flops(jax.make_jaxpr(fn)(x).jaxpr)
+    return SlotRule.of(None, batch, dd_cost.backend_cost().fixed_rows(flops)).candidates
+
+
 def compile_table(rows):
     """``rows``: ``(label, batch, width, max_depth, step)``."""
     print("\n### Compile time of value_and_grad (s, median of 3)\n")
@@ -278,7 +297,7 @@ def compile_table(rows):
         auto = compile_seconds("auto", *shape, step=step)
         two = compile_seconds("auto", *shape, slots=(b // 2, 1), step=step)
         one = compile_seconds("auto", *shape, slots=b // 2, step=step)
-        counts = ", ".join(map(str, slot_candidates(b)))
+        counts = ", ".join(map(str, default_counts(b, width, step)))
         print(f"| {label}, B={b} | {base:.2f} | {auto:.2f} ({counts}) | {auto / base:.2f}x | "
               f"{two:.2f} | {two / base:.2f}x | {one:.2f} | {one / base:.2f}x |")  # fmt: skip
 

@@ -39,10 +39,13 @@ from ._leaves import where_rows
 from ._step import Loop, Perturbed
 
 # Each slot count is one compiled copy of the step (forward and backward), so the ladders are
-# sparse. The time rule's ladder halves from ``B`` three times, then quarters, and stops at the
-# smallest count that can win: below ``fixed_rows / 8`` slots an iteration costs about its fixed
-# part whatever the count, and a count that runs the same iterations with a few more rows costs
-# within 1 / 8 of it. The work rule's ladder: ``B``, ``B / 2``, then a ratio of 8 down to 1.
+# short. Where the time rule's choice matters is near ``fixed_rows`` (an iteration's fixed cost,
+# in rows): far above it time follows work, which a sparse ladder keeps close; far below it an
+# iteration costs about its fixed part whatever its rows. So its ladder is ``B``, ``B / 2`` (the
+# ideal count of uniform depths), then a ratio of 8 down to ``2 x fixed_rows``, of 2 below, and
+# no count below ``fixed_rows / 8`` (a count that runs the same iterations with up to
+# ``fixed_rows / 8`` more rows costs within 1 / 8 of it); at most MAX_COUNTS counts.
+MAX_COUNTS = 5
 LADDER_RATIO = 8
 # The work rule takes a slot count when it executes at most this fraction more than the useful
 # steps.
@@ -51,20 +54,18 @@ WORK_SLACK = 1 / 16
 
 def slot_candidates(batch: int, fixed_rows: float) -> tuple[int, ...]:
     """The slot counts that ``slots=None`` chooses from at run time (by :func:`choose_by_time`,
-    one compiled branch each), descending: ``B``, ``B / 2``, ``B / 4``, ``B / 8``, then a ratio
-    of 4, none below ``fixed_rows / 8`` (an iteration's fixed cost, in rows); batches of 2 or
-    fewer run unscheduled."""
+    one compiled branch each), descending, as the comment above says; batches of 2 or fewer
+    run unscheduled."""
     if batch <= 2:
         return (batch,)
-    counts, c = {batch}, batch
-    for _ in range(3):
-        c = math.ceil(c / 2)
-        counts.add(c)
-    while c > 1:
-        c = math.ceil(c / 4)
-        counts.add(c)
     smallest = max(1, math.floor(fixed_rows / 8))
-    return tuple(sorted({n for n in counts if n >= smallest} | {batch}, reverse=True))
+    counts, c = [batch], math.ceil(batch / 2)
+    while c >= smallest and len(counts) < MAX_COUNTS:
+        counts.append(c)
+        if c == 1:
+            break
+        c = math.ceil(c / (LADDER_RATIO if c > 2 * fixed_rows else 2))
+    return tuple(counts)
 
 
 def work_candidates(batch: int) -> tuple[int, ...]:

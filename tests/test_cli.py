@@ -2,12 +2,16 @@
 exit status 2); resuming into a folder trained with another configuration; `dyndepth eval`'s
 table; Ctrl-C during compilation and training (in a subprocess)."""
 
+import fcntl
 import json
 import os
+import pty
 import re
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import threading
 
 import numpy as np
@@ -230,6 +234,26 @@ def _read_until(stream, pattern, proc, timeout=120):
     return re.search(pattern, "".join(buf[-200:]))
 
 
+class _Terminal:
+    """The reading end of a pty, unbuffered, as text; its end (EIO once the process exited)
+    reads as ''."""
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def read(self, n):
+        try:
+            return os.read(self.fd, n).decode(errors="replace")
+        except OSError:
+            return ""
+
+    def read_all(self) -> str:
+        out = []
+        while chunk := self.read(4096):
+            out.append(chunk)
+        return "".join(out).replace("\r\n", "\n")
+
+
 def test_ctrl_c_while_compiling_exits_cleanly_with_a_checkpoint(tmp_path):
     """Ctrl-C as soon as the demo has started (it is compiling): exit status 130, one line that
     says what was kept, no crash (a KeyboardInterrupt inside XLA's compiler made the interpreter
@@ -244,19 +268,36 @@ def test_ctrl_c_while_compiling_exits_cleanly_with_a_checkpoint(tmp_path):
     last = err.strip().splitlines()[-1]
     assert last.startswith("dyndepth demo: interrupted at step "), err[-3000:]
     assert "Fatal Python error" not in err and "Traceback" not in err
+    assert "%|" not in err, err[-3000:]  # stderr is a pipe here: no progress-bar frames
     step = int(last.split("interrupted at step ")[1].split()[0])
     assert train.load_checkpoint(str(out / "alpha=1.ckpt.npz"))[2] == step
 
 
 def test_ctrl_c_while_training_saves_the_steps_done(tmp_path):
     """Ctrl-C in the middle of training (the first periodic save would come at step 400): the
-    checkpoint holds every step done, and the message says so."""
+    checkpoint holds every step done, and the message says so. stderr is a terminal (a pty), as
+    a user's is: the progress bar, which says how many steps are done, shows only there."""
     out = tmp_path / "run"
     steps = 4000
-    proc = _demo_process(out, "--steps", str(steps))
-    _read_until(proc.stderr, rf"\b([3-9]|[1-9][0-9]+)/{steps}\b", proc)  # a few steps done
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    master, terminal = pty.openpty()
+    # 24 x 120 characters (a new pty has none, and tqdm would draw an empty bar)
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    argv = [sys.executable, "-m", "dyndepth", "demo", "--quick", "--no-control", "--out",
+            str(out), "--steps", str(steps)]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=terminal, text=True)
+    os.close(terminal)
+    stream = _Terminal(master)
+    try:
+        _read_until(stream, rf"\b([3-9]|[1-9][0-9]+)/{steps}\b", proc)  # a few steps done
+        proc.send_signal(signal.SIGINT)
+        rest: list[str] = []  # read while the process writes, so that the pty never fills up
+        reader = threading.Thread(target=lambda: rest.append(stream.read_all()), daemon=True)
+        reader.start()
+        proc.communicate(timeout=120)
+        reader.join(timeout=30)
+        err = "".join(rest)
+    finally:
+        os.close(master)
     assert proc.returncode == 130, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert "checkpoint saved to" in last and "run the same command to resume" in last, last

@@ -351,7 +351,8 @@ def main_demo(a):
         )
     if a.quick and is_primary():
         print(
-            "--quick: a smoke run (tiny model, few steps) that checks the demo end to end; it "
+            "dyndepth demo: --quick is a smoke run (tiny model, few steps) that checks the demo "
+            "end to end; it "
             "trains far too little to learn the task, so accuracies near 0%, 'did not "
             "converge' and noisy timings are expected (run without --quick for the demo)"
         )

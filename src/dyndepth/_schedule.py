@@ -39,12 +39,11 @@ from ._leaves import where_rows
 from ._step import Loop, Perturbed
 
 # Each slot count is one compiled copy of the step (forward and backward), so the ladders are
-# short. Where the time rule's choice matters is near ``fixed_rows`` (an iteration's fixed cost,
-# in rows): far above it time follows work, which a sparse ladder keeps close; far below it an
-# iteration costs about its fixed part whatever its rows. So its ladder is ``B``, ``B / 2`` (the
-# ideal count of uniform depths), then a ratio of 8 down to ``2 x fixed_rows``, of 2 below, and
-# no count below ``fixed_rows / 8`` (a count that runs the same iterations with up to
-# ``fixed_rows / 8`` more rows costs within 1 / 8 of it); at most MAX_COUNTS counts.
+# short: at most MAX_COUNTS counts. The time rule's ladder is ``B``, ``B / 2``, ``B / 4``, ``B / 8``
+# (where the best count of common distributions lies: about ``sum / max`` or just below, ``B / 2``
+# for uniform depths, ``B / 3`` for a long tail), then a ratio of 4; no count below
+# ``fixed_rows / 8`` (an iteration's fixed cost in rows: a count that runs the same iterations
+# with up to that many more rows costs within 1 / 8 of it).
 MAX_COUNTS = 5
 LADDER_RATIO = 8
 # The work rule takes a slot count when it executes at most this fraction more than the useful
@@ -59,12 +58,12 @@ def slot_candidates(batch: int, fixed_rows: float) -> tuple[int, ...]:
     if batch <= 2:
         return (batch,)
     smallest = max(1, math.floor(fixed_rows / 8))
-    counts, c = [batch], math.ceil(batch / 2)
-    while c >= smallest and len(counts) < MAX_COUNTS:
-        counts.append(c)
-        if c == 1:
+    counts, c = [batch], batch
+    while c > 1 and len(counts) < MAX_COUNTS:
+        c = math.ceil(c / (2 if len(counts) < 4 else 4))
+        if c < smallest:
             break
-        c = math.ceil(c / (LADDER_RATIO if c > 2 * fixed_rows else 2))
+        counts.append(c)
     return tuple(counts)
 
 

@@ -228,9 +228,10 @@ def repeat(
       ``"auto"``          jit, vmap, grad, vjp, jacrev, jvp, jacfwd,  forward and backward
                           hessian (forward over reverse), reverse     follow ``depth``; under
                           over forward; every order of vmap and       ``vmap`` with per-sample
-                          differentiation. Not reverse over reverse   depths the per-sample
-                          (``grad(grad(f))``: a TypeError saying      scheduler: work close to
-                          what to use)                                ``sum(depth)``
+                          differentiation. Reverse over reverse       depths the per-sample
+                          (``grad(grad(f))``) and reverse over        scheduler: work close to
+                          forward differentiate the ``"masked"``      ``sum(depth)``
+                          loop (``max_depth`` steps)
       ``"checkpointed"``  as ``"auto"``                               as ``"auto"``, but under
                                                                       ``vmap`` the batch runs
                                                                       until its deepest sample
@@ -321,8 +322,10 @@ def repeat(
     ``checkpoints < 1``, ``strategy`` is unknown, ``checkpoints`` is given to ``"masked"`` or
     ``"while"``, ``slots`` to a strategy other than ``"auto"``, or ``slots`` is an empty
     sequence. ``TypeError`` for a non-int ``max_depth``/``checkpoints``/``slots`` (or entry of
-    it). Reverse mode of ``"while"``, and reverse over reverse of ``"auto"``/``"checkpointed"``,
-    raise a ``TypeError`` when differentiated.
+    it). Reverse mode of ``"while"`` raises a ``TypeError`` when differentiated. Under
+    ``vmap``, a step that draws from an ``rbg``/``unsafe_rbg`` key runs one sample after
+    another (JAX's vmap of those generators mixes the samples' draws), and with
+    ``"masked"`` a batched such key raises a ``ValueError`` at trace time.
     """
     _checks.callable_arg(f, "f")
     max_depth = _checks.static_nonneg_int(max_depth, "max_depth")
@@ -569,8 +572,8 @@ def repeat_batched(
       ``shard_map`` with ``out_specs=P(axis)`` gathers one entry per device).
 
     **Transformations:** jit, vmap (a batch of batches: the outer vmap masks), grad, vjp, jacrev,
-    jvp, jacfwd, forward over reverse (``jax.hessian``). Not reverse over reverse
-    (``grad(grad(f))`` raises a ``TypeError`` naming forward over reverse).
+    jvp, jacfwd, forward over reverse (``jax.hessian``), reverse over reverse (``grad(grad(f))``,
+    through the ``"masked"`` loop's derivative: ``max_depth`` steps, unscheduled).
 
     **Returns:** the batch of final carries (and the stats dict with ``return_stats``).
 

@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import functools
+import weakref
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -11,9 +15,23 @@ from ._batched import stats_of
 from ._keys import mixed_draws, refuse_batched
 from ._step import Loop
 
+_JITTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 
 def run(loop: Loop, consts, cconsts, init, xs, n, kd):
-    """``(carry, ys, steps, stats)``: every step evaluated, those past the end discarded."""
+    """``(carry, ys, steps, stats)``: every step evaluated, those past the end discarded.
+
+    Through one ``jax.jit`` per loop: called again (un-jitted) with the same loop, which the
+    step's conversion caches, the compiled scan is reused instead of traced and compiled anew.
+    """
+    jitted = _JITTED.get(loop)
+    if jitted is None:
+        jitted = _JITTED[loop] = jax.jit(functools.partial(_run, loop))
+    carry, ys, steps, stats = jitted(list(consts), list(cconsts), list(init), list(xs), n, kd)
+    return list(carry), list(ys), steps, stats
+
+
+def _run(loop: Loop, consts, cconsts, init, xs, n, kd):
     # Inside shard_map, consts varying like the loop's other operands before the loop: a
     # replicated const's gradient then accumulates per device in the scan's transpose and is
     # summed over the devices once, after it, instead of by a collective at every step.

@@ -13,7 +13,11 @@ which runs it on each device's rows, independently, and combines what the device
   known only when XLA partitions the program, so the loop is a
   ``jax.experimental.custom_partitioning`` call whose partition rule runs it on each shard of
   the batch axis (the other operands replicated; a parameter sharded over another axis, such as
-  ``model``, is gathered once, before the loop). With one device nothing changes.
+  ``model``, is gathered once, before the loop). With one device nothing changes. Two
+  exceptions run the loop unpartitioned (right, the batch gathered): a step with side effects
+  (``jax.debug.print``, callbacks: the partitioner cannot carry them into the per-device calls)
+  and a program lowered for ``jax.export`` (the partitioner is a host callback, which an
+  exported program cannot hold).
 - Inside ``shard_map`` the loop already sees one device's rows.
 """
 
@@ -63,7 +67,17 @@ def lowering_for_devices(ctx: mlir.LoweringRuleContext) -> bool:
     of a program lowered for several devices, outside ``shard_map``. (XLA learns the shardings
     only then; a program lowered for any single device has no device assignment yet.)"""
     devices = _compat.lowering_devices(ctx)
+    if _for_export(ctx):
+        return False
     return _LOWERING_DEPTH.get() == 0 and devices is not None and len(devices) > 1
+
+
+def _for_export(ctx: mlir.LoweringRuleContext) -> bool:
+    """Whether the program is lowered for ``jax.export``: a ``custom_partitioning`` call
+    carries a host callback (the partitioner) that an exported program cannot serialize, so
+    such a loop runs unpartitioned there (right, the batch gathered)."""
+    params = getattr(ctx.module_context, "lowering_parameters", None)
+    return bool(getattr(params, "for_export", False))
 
 
 def needs_devices_when_lowered(*prims: Any) -> None:

@@ -35,8 +35,9 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive, jaxpr_as_fun
 from jax.interpreters import ad, batching, mlir
+from jax.interpreters import partial_eval as pe
 
-from . import _batched, _dispatch, _per_device, _vma
+from . import _batched, _dispatch, _masked, _per_device, _vma
 from ._dispatch import Batch, Level
 from ._keys import mixed_draws
 from ._leaves import fill, take
@@ -291,11 +292,13 @@ def _loop_jvp(primals, tangents, *, loop, batch, store, plan, pert):
     if not pert.any:
         outs = loop_p.bind(*primals, **params)
         return outs, _zeros_for(outs)
+    if loop.strategy != "while" and _under_reverse(primals):
+        return _masked_jvp(loop, batch, primals, tangents)
     keep = loop.strategy != "while"
     consts, xs = primals[:nk], primals[nk + ncc + nc : nk + ncc + nc + nx]
     kd = None if loop.keys is None else primals[-1]
     if keep and not batch:
-        plan = residual_plan(loop, pert, consts, xs, kd)
+        plan = _plan_for(loop, pert, consts, xs, kd)
     outs = loop_p.bind(*primals, loop=loop, batch=batch, store=keep, plan=plan, pert=pert)
     ny = len(loop.y_avals)
     base, res = outs[: nc + ny + 2], outs[nc + ny + 2 :]
@@ -316,6 +319,81 @@ def _loop_jvp(primals, tangents, *, loop, batch, store, plan, pert):
     zeros = _zeros_for(base)
     tangents_out = [z if t is None else t for t, z in zip(t_carry + t_ys, zeros, strict=False)]
     return base, tangents_out + zeros[nc + ny :]
+
+
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _plan_for(loop: Loop, pert: Perturbed, consts, xs, kd):
+    """:func:`dyndepth._residuals.residual_plan`, once per loop, perturbation and operand
+    types: the plan is a parameter of the primitives, so a new one per call would compile an
+    un-jitted loop's forward and backward passes again at every call."""
+    types = tuple((jax.typeof(a), getattr(jax.typeof(a), "sharding", None))
+                  for a in [*consts, *xs] + ([] if kd is None else [kd]))  # fmt: skip
+    key = (pert, types, kd is None, _vma.manual_axes(), jax.sharding.get_abstract_mesh())
+    table = _PLANS.setdefault(loop, {})
+    if key not in table:
+        table[key] = residual_plan(loop, pert, consts, xs, kd)
+    return table[key]
+
+
+try:  # JAX's private linearize tracer: see _under_reverse
+    from jax._src.interpreters.ad import LinearizeTracer as _LinearizeTracer
+except ImportError:  # pragma: no cover - depends on JAX's internals
+    _LinearizeTracer = ()
+try:
+    from jax._src.interpreters.batching import BatchTracer as _BatchTracer
+except ImportError:  # pragma: no cover - depends on JAX's internals
+    _BatchTracer = ()
+
+
+def _under_reverse(primals) -> bool:
+    """Whether the loop is differentiated inside an enclosing reverse-mode differentiation
+    (``jax.grad`` of a function that differentiates the loop): some primal, seen through
+    ``vmap``'s tracers, is being linearized. (Without JAX's private tracer types, False: the
+    second reverse pass then raises the TypeError of :func:`_guard_transpose`.)"""
+    for x in primals:
+        while isinstance(x, _BatchTracer):
+            x = x.val
+        if isinstance(x, _LinearizeTracer):
+            return True
+        if isinstance(x, ad.JVPTracer) and isinstance(x.tangent, pe.JaxprTracer):
+            return True  # (linearize as jvp + partial evaluation)
+    return False
+
+
+def _masked_jvp(loop: Loop, batch: Batch, primals, tangents):
+    """The loop's jvp as the ``"masked"`` loop's (plain ``lax``: ``max_steps`` steps, every
+    derivative of every order JAX's own), for a loop differentiated under an enclosing reverse
+    mode: reverse over reverse. ``vmap`` levels already applied are mapped again here."""
+    nk, ncc, nc, nx = loop.n_consts, loop.n_cconsts, len(loop.carry_avals), len(loop.x_avals)
+
+    def one(*ops):
+        consts, cconsts = ops[:nk], ops[nk : nk + ncc]
+        init, xs = ops[nk + ncc : nk + ncc + nc], ops[nk + ncc + nc : nk + ncc + nc + nx]
+        kd = None if loop.keys is None else ops[-1]
+        carry, ys, steps, _ = _masked._run(loop, consts, cconsts, init, xs, ops[-2], kd)
+        return (*carry, *ys, steps)
+
+    fn = one
+    for level in batch:  # innermost first: its vmap is the innermost
+        fn = jax.vmap(fn, in_axes=[0 if b else None for b in level.batched], axis_size=level.size)
+    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+    outs, t_outs = jax.jvp(fn, tuple(primals), tangents)
+    outs, t_outs = list(outs), list(t_outs)
+    steps = outs[-1]
+    if batch and not _steps_flags(loop, batch)[0]:
+        steps = steps[..., 0]  # a depth shared by the innermost level's rows: one count
+    rows = 1
+    for level in batch:
+        rows = rows * level.size
+    stats = _batched.stats_of(jnp.asarray(loop.max_steps, jnp.int32), rows)
+    base = outs[:-1] + [steps, stats]
+    zeros = _zeros_for(base)
+    n_out = nc + len(loop.y_avals)
+    t_base = [t if jnp.issubdtype(t.dtype, jnp.inexact) else z
+              for t, z in zip(t_outs[:n_out], zeros[:n_out], strict=True)]  # fmt: skip
+    return base, t_base + zeros[n_out:]
 
 
 def _lin_flags(lay: _LinLayout, loop_flags, steps_b: bool, keep: bool) -> tuple:

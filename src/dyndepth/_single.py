@@ -99,7 +99,11 @@ def backward(loop: Loop, pert: Perturbed, plan: ResidualPlan | None, consts, xs,
             pullback = step_vjp(loop, pert, cs, carry, x, key)[1]
         else:
             pullback = pullback_of(plan, cs, carry, at_index(ext, j), x, key)
-        g_k, g_c, g_x = pullback((s["ct"], at_index(ct_ys, j)))
+        # Inside shard_map the step's outputs vary like the loop state (the stored carry); a
+        # cotangent replicated over those axes (jacrev's basis, shared by the samples) is
+        # cast to vary like them, as the pullback requires.
+        axes = _state_vma(carry)
+        g_k, g_c, g_x = pullback((_vma.vary(s["ct"], axes), _vma.vary(at_index(ct_ys, j), axes)))
         # A stacked const gets its slice's cotangent added in place at the layer index.
         acc = [a.at[x[0]].add(g) if m < S else a + g
                for m, a, g in zip(k_idx, s["acc"], g_k, strict=True)]  # fmt: skip
@@ -113,3 +117,8 @@ def backward(loop: Loop, pert: Perturbed, plan: ResidualPlan | None, consts, xs,
     )
     out = _vma.while_loop(lambda s: s["j"] >= 0, body, state)
     return out["acc"], out["ct"], out["ct_xs"]
+
+
+def _state_vma(carry) -> tuple[str, ...]:
+    """The manual axes some leaf of the carry varies over (none outside ``shard_map``)."""
+    return tuple(sorted(frozenset().union(*_vma.varying_of(list(carry)))))

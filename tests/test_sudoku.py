@@ -218,22 +218,33 @@ def test_quick_run_end_to_end(tmp_path, capsys):
     assert json.loads((out / "results.json").read_text())["config"] == res["config"]
     first = capsys.readouterr().out
     assert "| easy (solved by singles in <= 4 rounds) |" in first
-    # The same command again: puzzles from the cache, training already complete
-    assert _cli.main(argv) == 0
-    again = capsys.readouterr().out
-    assert "puzzles read from" in again and "resuming from" in again
-    # Another configuration in the same folder: one line naming the setting
+    # Again in the same folder: the puzzles come from the cache, the training is complete
+    cfg = S.replace(S.SudokuConfig(), **S.QUICK)
+    lines = []
+    S.datasets(cfg, str(out), lines.append)
+    _, figures = st.train(
+        cfg,
+        None,
+        str(out),
+        config_from_json=S.config_from_json,
+        training_fields=S.training_fields,
+        log=lines.append,
+    )
+    assert "puzzles read from" in lines[0] and "resuming from" in lines[1]
+    assert figures["steps_run"] == 0 and figures["step"] == cfg.steps
+    # Another configuration in the same folder: one line naming the setting, before any work
     assert _cli.main(argv + ["--width", "8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "width 16 (checkpoint) vs 8 (now)" in err[0]
+    assert len(err) == 1 and "width 4 (checkpoint) vs 8 (now)" in err[0]
 
 
+@pytest.mark.slow  # compiles the larger model: about a minute on the shared 2-core machine
 def test_gpu_preset_at_small_scale(tmp_path):
-    """The ``--preset gpu`` model (its width, layers, latent steps and givens range) trains and
+    """The ``--preset gpu`` model (its width, latent steps and givens range) trains and
     evaluates end to end on the CPU, with a tiny batch, data set and step count."""
     args = _cli._parser().parse_args(["demo", "--task", "sudoku", "--preset", "gpu"])
     cfg = S.config_from_args(args)
-    assert (cfg.width, cfg.latent_steps, cfg.max_givens) == (32, 2, 40)
+    assert (cfg.width, cfg.latent_steps, cfg.max_givens, cfg.batch) == (32, 2, 40, 256)
     small = S.replace(cfg, batch=4, steps=2, train_paths=4, test_per_bucket=2, max_steps=3)
     res = S.run_sudoku(small, str(tmp_path), log=lambda *a: None)
     assert res["training"]["step"] == 2 and res["config"]["width"] == 32

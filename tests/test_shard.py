@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
 
     def batched(W, x, d):
         out, st = dyndepth.repeat_batched(
-            lambda c: jnp.tanh(c @ W), x, d, max_depth=M, return_stats=True
+            lambda c: jnp.tanh(c @ W), x, d, max_depth=M, slots="work", return_stats=True
         )
         return out, st["per_device_executed_sample_steps"], st["per_device_useful_sample_steps"]
 
@@ -88,8 +88,8 @@ def test_shard_map_per_device_scheduling():
         assert rec["all_gather"] == 0, (name, rec)
         if "executed" in rec:
             assert len(rec["executed"]) == int(name.split("-")[1])
-            # 32 samples per device or more: the slot-count rule keeps each device's work
-            # within 1/16 of its sum of depths, whatever its share of the batch.
+            # 32 samples per device or more: the work rule (slots="work") keeps each device's
+            # work within 1/16 of its sum of depths, whatever its share of the batch.
             assert rec["per_device"] >= 32
             for ex, us in zip(rec["executed"], rec["useful"], strict=True):
                 assert us <= ex <= 1.15 * us, (name, rec)

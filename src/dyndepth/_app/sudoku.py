@@ -67,7 +67,7 @@ class SudokuConfig:
     train_paths: int = 500
     seed: int = 0
     # at most this many minutes of training steps per call (a later call resumes); 0: no limit
-    train_minutes: float = _eval(6.0)
+    train_minutes: float = _eval(7.0)
     # evaluation
     test_per_bucket: int = _eval(100)
     halt_rule: str = _eval("valid")
@@ -687,7 +687,7 @@ def add_arguments(p):
         "--train-minutes",
         type=float,
         default=None,
-        help="(--task sudoku) stop training after this many minutes (default 6; the same "
+        help="(--task sudoku) stop training after this many minutes (default 7; the same "
         "command resumes it; 0: no limit, train all --steps)",
     )
     p.add_argument(

@@ -474,7 +474,7 @@ def train(cfg, out_dir, *, label="alpha=1", resume=True, stop_at=None, devices=1
             times.append(dt)
             depths.append(float(nk))
         losses.append(loss)
-        if bar is not None:
+        if bar is not None and not bar.disable:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", steps_per_s=f"{1.0 / max(dt, 1e-9):.1f}")
         elif step % every == 0:

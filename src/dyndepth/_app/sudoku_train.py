@@ -26,7 +26,14 @@ import numpy as np
 
 from . import sudoku_model as sm
 from .args import Interrupted, interrupt_requested
-from .train import BadCheckpoint, ConfigMismatch, _bar, adamw_init, adamw_update, save_checkpoint
+from .train import (
+    BadCheckpoint,
+    _bar,
+    adamw_init,
+    adamw_update,
+    refuse_other_training,
+    save_checkpoint,
+)
 
 # ----------------------------------------------------------------------------- data
 
@@ -193,15 +200,9 @@ def read_checkpoint(path, config_from_json):
 
 
 def check_resumable(saved, cfg, path, training_fields):
-    saved, wanted = training_fields(saved), training_fields(cfg)
-    diff = [k for k in wanted if saved.get(k) != wanted[k]]
-    if diff:
-        what = ", ".join(f"{k} {saved.get(k)!r} (checkpoint) vs {wanted[k]!r} (now)" for k in diff)
-        raise ConfigMismatch(
-            f"--out {os.path.dirname(path) or '.'} holds {os.path.basename(path)}, trained with "
-            f"another configuration: {what}; use another --out, or the checkpoint's settings to "
-            "resume it"
-        )
+    """Raise :class:`ConfigMismatch` when the checkpoint at ``path`` (config ``saved``) was
+    trained with another configuration than ``cfg``."""
+    refuse_other_training(training_fields(saved), training_fields(cfg), path)
 
 
 # ----------------------------------------------------------------------------- the loop

@@ -354,11 +354,15 @@ def checkpoint_converged_at(path):
 def check_resumable(path, cfg):
     """Raise :class:`ConfigMismatch` naming the differing fields when the checkpoint at ``path``
     was trained with another configuration than ``cfg`` (evaluation fields aside)."""
-    saved = training_fields(read_checkpoint_config(path))
-    wanted = training_fields(cfg)
-    diff = [name for name in wanted if saved[name] != wanted[name]]
+    refuse_other_training(training_fields(read_checkpoint_config(path)), training_fields(cfg), path)
+
+
+def refuse_other_training(saved: dict, wanted: dict, path: str) -> None:
+    """Raise :class:`ConfigMismatch` naming the fields of ``wanted`` (the run's training
+    configuration) that differ from ``saved`` (the checkpoint's at ``path``)."""
+    diff = [name for name in wanted if saved.get(name) != wanted[name]]
     if diff:
-        what = ", ".join(f"{n} {saved[n]!r} (checkpoint) vs {wanted[n]!r} (now)" for n in diff)
+        what = ", ".join(f"{n} {saved.get(n)!r} (checkpoint) vs {wanted[n]!r} (now)" for n in diff)
         raise ConfigMismatch(
             f"--out {os.path.dirname(path) or '.'} holds {os.path.basename(path)}, trained with "
             f"another configuration: {what}; use another --out, or the checkpoint's settings to "

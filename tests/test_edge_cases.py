@@ -324,7 +324,9 @@ def test_bounded_checkpoints_fit_the_budget(shape, length):
     assert held[k] <= 4 * round(length ** (1 / 3)) + 4
 
 
-@pytest.mark.parametrize("checkpoints, max_depth", [(2, 200), (3, 700)])
+@pytest.mark.parametrize(
+    "checkpoints, max_depth", [(2, 200), pytest.param(3, 700, marks=pytest.mark.slow)]
+)
 def test_two_level_recompute_is_exact(checkpoints, max_depth):
     """Segments of 128 and 256 steps (from 64 on, the backward pass recomputes sub-checkpoints,
     then each sub-segment): grad, grad of vmap, vmap of grad and jacrev equal a plain loop's,

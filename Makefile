@@ -21,8 +21,7 @@ lint: venv
 # two at once (a fresh clone's `make test`, the venv included from pip's cache, took 12.7
 # minutes on this project's 2-core machine, 2026-12-04, 850 tests; 8.7-9.2 before the step
 # index, weak-type, rbg-key and second-order suites); `make test PYTEST_ARGS=` runs one process.
-# tests/conftest.py
-# compiles at XLA's CPU backend level 0 except with DYNDEPTH_FULL=1.
+# tests/conftest.py compiles at XLA's CPU backend level 0 except with DYNDEPTH_FULL=1.
 # The suite includes the documentation (tests/test_docs.py runs its code, tests/test_site.py
 # builds the site and checks its pages) and the packaging (tests/test_wheel.py).
 PYTEST_ARGS ?= -n 2

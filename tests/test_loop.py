@@ -899,6 +899,11 @@ REPEAT_BATCHED_ERRORS = {
         r"`max_depth` must be <= 2\*\*31",
     ),
     "slots-zero": (dict(slots=0), ValueError, r"`slots` must be >= 1, got 0"),
+    "slots-unknown-rule": (
+        dict(slots="time"),
+        ValueError,
+        r"`slots` must be None, \"work\", a slot count or a sequence of them, got 'time'",
+    ),
     "checkpoints-negative": (dict(checkpoints=-1), ValueError, r"`checkpoints` must be >= 1"),
 }
 

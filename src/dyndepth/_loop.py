@@ -322,10 +322,11 @@ def repeat(
     ``checkpoints < 1``, ``strategy`` is unknown, ``checkpoints`` is given to ``"masked"`` or
     ``"while"``, ``slots`` to a strategy other than ``"auto"``, or ``slots`` is an empty
     sequence or a string other than ``"work"``. ``TypeError`` for a non-int
-    ``max_depth``/``checkpoints``/``slots`` (or entry of it). Reverse mode of ``"while"`` raises a ``TypeError`` when differentiated. Under
-    ``vmap``, a step that draws from an ``rbg``/``unsafe_rbg`` key runs one sample after
-    another (JAX's vmap of those generators mixes the samples' draws), and with
-    ``"masked"`` a batched such key raises a ``ValueError`` at trace time.
+    ``max_depth``/``checkpoints``/``slots`` (or entry of it). Reverse mode of ``"while"``
+    raises a ``TypeError`` when differentiated. Under ``vmap``, a step that draws from an
+    ``rbg``/``unsafe_rbg`` key runs one sample after another (JAX's vmap of those generators
+    mixes the samples' draws), and with ``"masked"`` a batched such key raises a
+    ``ValueError`` at trace time.
     """
     _checks.callable_arg(f, "f")
     max_depth = _checks.static_nonneg_int(max_depth, "max_depth")

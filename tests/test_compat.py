@@ -205,3 +205,38 @@ def test_auto_mesh_without_the_devices_registry():
     loops are not split per device, and still equal the reference (no hang, no error)."""
     r = run_on_eight_devices(AUTO_MESH_SCRIPT)
     assert r["value_err"] < 1e-5 and r["grad_err"] < 1e-5, r
+
+
+def test_reverse_over_reverse_without_the_linearize_tracer_type(monkeypatch):
+    """Reverse over reverse equals a plain loop's; without JAX's linearize tracer type (the
+    fallback of :func:`dyndepth._compat.reverse_tracer_types`) it raises the TypeError that
+    names forward over reverse instead (docs/limits.md), never a wrong value."""
+
+    def f(w):
+        return jnp.sum(dd.repeat(lambda c: jnp.tanh(w * c), jnp.ones(2), 3, max_depth=4))
+
+    def plain(w):
+        return jnp.sum(reference_repeat(lambda c: jnp.tanh(w * c), jnp.ones(2), 3))
+
+    tree_allclose(jax.grad(jax.grad(f))(0.5), jax.grad(jax.grad(plain))(0.5), rtol=1e-5)
+    hide(monkeypatch, "linearize_tracer")
+    assert _compat.reverse_tracer_types()[0] == ()
+    with pytest.raises(TypeError, match="forward over reverse"):
+        jax.grad(jax.grad(f))(0.5)
+
+
+def test_lowered_for_export_fallback(monkeypatch):
+    """The export flag read from a lowering context, and False when the context lacks it."""
+
+    class Params:
+        for_export = True
+
+    class ModuleContext:
+        lowering_parameters = Params()
+
+    class Ctx:
+        module_context = ModuleContext()
+
+    assert _compat.lowered_for_export(Ctx()) is True
+    hide(monkeypatch, "for_export")
+    assert _compat.lowered_for_export(Ctx()) is False

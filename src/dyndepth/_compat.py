@@ -20,6 +20,12 @@ fallback run instead of failing every loop. Each fallback and its cost (docs/lim
   them, a null context.
 - :func:`bind_equation` (bind a traced equation again inside ``shard_map``):
   ``Primitive.get_bind_params``; without it, a call's jaxpr is evaluated inline.
+- :func:`reverse_tracer_types` (is a loop differentiated inside an enclosing reverse pass?):
+  ``jax._src.interpreters.ad.LinearizeTracer`` and ``jax._src.interpreters.batching.BatchTracer``;
+  without them, never (reverse over reverse then raises the ``TypeError`` naming forward over
+  reverse).
+- :func:`lowered_for_export` (is the program lowered for ``jax.export``?): the lowering
+  context's ``module_context.lowering_parameters.for_export``; without it, False.
 
 ``tests/test_compat.py`` hides each name and checks the loops against the references.
 """
@@ -27,6 +33,7 @@ fallback run instead of failing every loop. Each fallback and its cost (docs/lim
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -42,6 +49,9 @@ PRIVATE: dict[str, tuple[str, ...]] = {
     "eqn_mesh": ("ctx", "cur_abstract_mesh"),  # of a jaxpr equation
     "eqn_manager": ("ctx", "manager"),  # of a jaxpr equation
     "bind_params": ("get_bind_params",),  # of a primitive
+    "linearize_tracer": ("LinearizeTracer",),  # of jax._src.interpreters.ad
+    "batch_tracer": ("BatchTracer",),  # of jax._src.interpreters.batching
+    "for_export": ("module_context", "lowering_parameters", "for_export"),  # of a ctx
 }
 
 
@@ -137,3 +147,27 @@ def bind_equation(eqn: Any, invals: list, rewrite: Callable[[dict], dict],
         out = inline(jaxpr, consts, list(invals))
         return out if primitive.multiple_results else out[0]
     return primitive.bind(*invals, **rewrite(dict(eqn.params)))
+
+
+def reverse_tracer_types() -> tuple[Any, Any]:
+    """``(LinearizeTracer, BatchTracer)``, JAX's tracer types of linearization and of ``vmap``,
+    for ``isinstance``; each ``()`` (matching nothing) when JAX lacks it."""
+
+    def tracer(module: str, name: str) -> Any:
+        try:
+            owner = importlib.import_module(module)
+        except ImportError:
+            return ()
+        found = _private(owner, name)
+        return found if isinstance(found, type) else ()
+
+    return (
+        tracer("jax._src.interpreters.ad", "linearize_tracer"),
+        tracer("jax._src.interpreters.batching", "batch_tracer"),
+    )
+
+
+def lowered_for_export(ctx: Any) -> bool:
+    """Whether the program being lowered in ``ctx`` is lowered for ``jax.export``; False when
+    the lowering context does not say."""
+    return bool(_private(ctx, "for_export"))

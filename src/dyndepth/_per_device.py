@@ -67,17 +67,12 @@ def lowering_for_devices(ctx: mlir.LoweringRuleContext) -> bool:
     of a program lowered for several devices, outside ``shard_map``. (XLA learns the shardings
     only then; a program lowered for any single device has no device assignment yet.)"""
     devices = _compat.lowering_devices(ctx)
-    if _for_export(ctx):
+    if _compat.lowered_for_export(ctx):
+        # A custom_partitioning call carries a host callback (the partitioner) that an exported
+        # program cannot serialize: such a loop runs unpartitioned there (right, the batch
+        # gathered).
         return False
     return _LOWERING_DEPTH.get() == 0 and devices is not None and len(devices) > 1
-
-
-def _for_export(ctx: mlir.LoweringRuleContext) -> bool:
-    """Whether the program is lowered for ``jax.export``: a ``custom_partitioning`` call
-    carries a host callback (the partitioner) that an exported program cannot serialize, so
-    such a loop runs unpartitioned there (right, the batch gathered)."""
-    params = getattr(ctx.module_context, "lowering_parameters", None)
-    return bool(getattr(params, "for_export", False))
 
 
 def needs_devices_when_lowered(*prims: Any) -> None:

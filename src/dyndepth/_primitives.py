@@ -37,7 +37,7 @@ from jax.extend.core import Primitive, jaxpr_as_fun
 from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
 
-from . import _batched, _dispatch, _masked, _per_device, _vma
+from . import _batched, _compat, _dispatch, _masked, _per_device, _vma
 from ._dispatch import Batch, Level
 from ._keys import mixed_draws
 from ._leaves import fill, take
@@ -337,25 +337,16 @@ def _plan_for(loop: Loop, pert: Perturbed, consts, xs, kd):
     return table[key]
 
 
-try:  # JAX's private linearize tracer: see _under_reverse
-    from jax._src.interpreters.ad import LinearizeTracer as _LinearizeTracer
-except ImportError:  # pragma: no cover - depends on JAX's internals
-    _LinearizeTracer = ()
-try:
-    from jax._src.interpreters.batching import BatchTracer as _BatchTracer
-except ImportError:  # pragma: no cover - depends on JAX's internals
-    _BatchTracer = ()
-
-
 def _under_reverse(primals) -> bool:
     """Whether the loop is differentiated inside an enclosing reverse-mode differentiation
     (``jax.grad`` of a function that differentiates the loop): some primal, seen through
     ``vmap``'s tracers, is being linearized. (Without JAX's private tracer types, False: the
     second reverse pass then raises the TypeError of :func:`_guard_transpose`.)"""
+    linearize_tracer, batch_tracer = _compat.reverse_tracer_types()
     for x in primals:
-        while isinstance(x, _BatchTracer):
+        while isinstance(x, batch_tracer):
             x = x.val
-        if isinstance(x, _LinearizeTracer):
+        if isinstance(x, linearize_tracer):
             return True
         if isinstance(x, ad.JVPTracer) and isinstance(x.tangent, pe.JaxprTracer):
             return True  # (linearize as jvp + partial evaluation)

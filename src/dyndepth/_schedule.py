@@ -143,17 +143,17 @@ def executed_steps(lengths: jax.Array, slots: int) -> jax.Array:
     return slots * iterations(jnp.sum(lengths), jnp.max(lengths), slots)
 
 
-def modeled_time(lengths: jax.Array, slots: int, fixed_rows: float) -> jax.Array:
+def modeled_time(total: jax.Array, longest: jax.Array, slots: int, fixed_rows: float):
     """The time model of :mod:`dyndepth._cost` in row-steps: ``C x (fixed_rows + slots)``."""
-    C = iterations(jnp.sum(lengths), jnp.max(lengths), slots).astype(jnp.float32)
-    return C * (fixed_rows + slots)
+    return iterations(total, longest, slots).astype(jnp.float32) * (fixed_rows + slots)
 
 
 def choose_by_time(lengths: jax.Array, candidates: tuple[int, ...], fixed_rows: float):
     """Index into ``candidates`` (descending) of the slot count of least modeled time (the
     first, so the most slots, among equals)."""
     lengths = lengths.astype(jnp.int32)
-    times = jnp.stack([modeled_time(lengths, c, fixed_rows) for c in candidates])
+    total, longest = jnp.sum(lengths), jnp.max(lengths)
+    times = jnp.stack([modeled_time(total, longest, c, fixed_rows) for c in candidates])
     return jnp.argmin(times).astype(jnp.int32)
 
 

@@ -25,6 +25,11 @@ from ._step import Loop
 STORED_CARRY_BUDGET = 512 * 2**20
 
 
+def nbytes(avals) -> int:
+    """Bytes of arrays of the abstract values ``avals`` (one of each)."""
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in avals)
+
+
 def bounded_checkpoints(carry_bytes: int, length: int) -> int | None:
     """``None`` while two copies of ``length`` carries of ``carry_bytes`` fit
     :data:`STORED_CARRY_BUDGET` (the compiled backward pass may hold two), else the number of
@@ -78,8 +83,7 @@ def fitted(loop: Loop, batch: tuple) -> Loop:
     if loop.checkpoints is not None or loop.strategy not in ("auto", "checkpointed"):
         return loop
     rows = math.prod(level.size if isinstance(level.size, int) else 1 for level in batch)
-    carry_bytes = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-                      for a in loop.carry_avals)  # fmt: skip
+    carry_bytes = nbytes(loop.carry_avals)
     return _with_checkpoints(loop, bounded_checkpoints(rows * carry_bytes, loop.max_steps))
 
 

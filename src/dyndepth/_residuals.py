@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import _budget, _vma
 from ._leaves import merge, take
@@ -62,10 +61,6 @@ def step_vjp(loop: Loop, pert: Perturbed, consts: Sequence[Any], carry: Sequence
     return aux, pullback
 
 
-def _nbytes(avals) -> int:
-    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in avals)
-
-
 def residual_plan(loop: Loop, pert: Perturbed, consts, xs, kd) -> ResidualPlan | None:
     """Plan the stored-residual path of an unbatched loop, or ``None`` where it does not apply
     (checkpoint thinning, inside ``shard_map``, or residuals over the budget)."""
@@ -98,7 +93,7 @@ def residual_plan(loop: Loop, pert: Perturbed, consts, xs, kd) -> ResidualPlan |
         list(consts), list(loop.carry_avals), list(xs), kd,
     )  # fmt: skip
     stored = tuple(stored)
-    if _nbytes(stored) > RESIDUAL_BUDGET * max(_nbytes(loop.carry_avals), 1):
+    if _budget.nbytes(stored) > RESIDUAL_BUDGET * max(_budget.nbytes(loop.carry_avals), 1):
         return None
     return ResidualPlan(treedef=found["treedef"], sources=found["sources"], stored=stored)
 

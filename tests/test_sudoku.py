@@ -140,6 +140,9 @@ def test_units_and_rules_match_plain_python():
     broken[5] = broken[5] % 9 + 1
     grids = jnp.asarray([solution, swapped, broken])
     assert np.asarray(sm.obeys_rules(grids)).tolist() == [True, False, False]
+    # swapping two cells of a row breaks their two columns and (here) nothing else: 2 extra
+    # digits; a changed digit repeats in its row, column and box: 3
+    assert np.asarray(sm.conflicts(grids)).tolist() == [0, 2, 3]
     assert [sd.is_valid_solution([0] * 81, g) for g in (solution, swapped, broken)] == [
         True,
         False,
@@ -165,7 +168,19 @@ def test_library_and_unrolled_outer_steps_agree():
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("rule", ["valid", "head"])
+def test_stalled_rule_replay():
+    conflicts = np.array([[5, 9, 4], [4, 9, 4], [4, 9, 0], [4, 8, 6], [3, 8, 6]])
+    stop = S.stalled(conflicts, 2)
+    # puzzle 0 improves at steps 1, 2, 5; puzzle 1 stalls at steps 2-3 then improves; puzzle 2
+    # obeys the rules at step 3 (then breaks them again: its low stays 0)
+    assert stop.T.tolist() == [
+        [False, False, False, True, False],
+        [False, False, True, False, False],
+        [False, False, True, False, True],
+    ]
+
+
+@pytest.mark.parametrize("rule", ["valid", "head", "stalled"])
 def test_halting_loops_agree_with_the_replayed_rule(rule):
     """dyndepth.while_loop under vmap, vmap(lax.while_loop) and the rule replayed on the fixed
     run's trajectory stop every puzzle at the same step with the same answer."""
@@ -176,13 +191,13 @@ def test_halting_loops_agree_with_the_replayed_rule(rule):
     # full grids are valid at once, grids with 30 givens never are (an untrained model)
     puz = np.concatenate([sd.puzzles_at(sols, ranks, np.array([g, g])) for g in (81, 80, 30)])
     sol = np.concatenate([sols] * 3)
-    solved, valid, head = S.trajectory(params, cfg, puz, sol)
-    stop = valid if rule == "valid" else head
+    solved, valid, head, conflicts = S.trajectory(params, cfg, puz, sol)
+    stop = {"valid": valid, "head": head, "stalled": S.stalled(conflicts, cfg.stall_steps)}[rule]
     want = np.where(stop.any(0), stop.argmax(0) + 1, cfg.max_steps)
     if rule == "valid":
         assert want[:2].tolist() == [1, 1] and want[-2:].tolist() == [6, 6]
     puz = jnp.asarray(puz, jnp.int32)
-    ans_d, steps_d = S.halting_dyndepth(params, cfg, rule, puz)
+    ans_d, steps_d = S.halting_dyndepth(params, cfg, rule, puz)  # 3 slots for 6 puzzles
     ans_l, steps_l = S.halting_lax(params, cfg, rule, puz)
     np.testing.assert_array_equal(np.asarray(steps_d), want)
     np.testing.assert_array_equal(np.asarray(steps_l), want)

@@ -57,11 +57,14 @@ class SudokuConfig:
     max_steps: int = 16  # outer steps, in training and evaluation
     # training
     batch: int = 32
-    steps: int = 2000
+    steps: int = 1600
     lr: float = 3e-3
     warmup: int = 50
     weight_decay: float = 0.1
     halt_weight: float = 0.5
+    # a training puzzle leaves the carried batch once solved ("solved") or once the halting
+    # head fires ("head", TRM's rule), or after max_steps outer steps
+    train_halt: str = "solved"
     min_givens: int = 17  # training puzzles: givens drawn from [min_givens, max_givens]
     max_givens: int = 40
     train_paths: int = 500
@@ -71,8 +74,15 @@ class SudokuConfig:
     # evaluation
     test_per_bucket: int = _eval(100)
     halt_rule: str = _eval("valid")
-    eval_chunk: int = _eval(256)
+    eval_chunk: int = _eval(60)
     adaptive_repeats: int = _eval(1)
+    # slots of the scheduled loop (dyndepth.while_loop's ``slots=``); 0: the library's default
+    # (a quarter of the batch). Fewer slots leave a shorter tail (a slot waits for the last
+    # puzzles) and keep the working set in the CPU's caches; see docs/sudoku.md
+    eval_slots: int = _eval(15)
+    # rule "stalled": a puzzle also stops when its conflicts have not reached a new low for
+    # this many outer steps
+    stall_steps: int = _eval(6)
 
 
 # ``--quick``: a seconds-long smoke run. Flags given explicitly win over these values.
@@ -88,6 +98,7 @@ QUICK = dict(
     warmup=2,
     train_paths=8,
     test_per_bucket=4,
+    eval_slots=3,
 )
 
 # ``--preset gpu``: a larger model and longer training for one accelerator.
@@ -106,6 +117,8 @@ GPU = dict(
     max_givens=40,
     train_minutes=8.0,
     test_per_bucket=500,
+    eval_slots=0,
+    eval_chunk=500,
 )
 PRESETS = {"cpu": {}, "gpu": GPU}
 
@@ -252,21 +265,37 @@ def _stop(rule, q, answer):
     return (q > 0) & sm.obeys_rules(answer)
 
 
+def stalled(conflicts, stall_steps):
+    """Rule ``"stalled"`` replayed on conflicts per step ``(T, N)``: per step and puzzle, whether
+    the answer obeys the rules (no conflicts) or its conflicts have not reached a new low for
+    ``stall_steps`` steps (bool, (T, N))."""
+    best = np.full(conflicts.shape[1], np.iinfo(np.int32).max)
+    since = np.zeros(conflicts.shape[1], np.int64)
+    out = np.zeros(conflicts.shape, bool)
+    for t, c in enumerate(conflicts):
+        since = np.where(c < best, 0, since + 1)
+        best = np.minimum(best, c)
+        out[t] = (c == 0) | (since >= stall_steps)
+    return out
+
+
 def _kw(cfg):
     return dict(cycles=cfg.cycles, latent_steps=cfg.latent_steps)
 
 
 def trajectory(params, cfg, puzzles, solutions):
     """After each outer step ``1..max_steps`` of every puzzle: ``solved``, ``valid`` (the answer
-    obeys the rules) and ``head`` (``q > 0``), bool numpy arrays (max_steps, N); in chunks of
-    ``cfg.eval_chunk`` puzzles, checking for Ctrl-C between them."""
+    obeys the rules), ``head`` (``q > 0``), bool, and ``conflicts`` (:func:`sm.conflicts`), int,
+    numpy arrays (max_steps, N); in chunks of ``cfg.eval_chunk`` puzzles, checking for Ctrl-C
+    between them."""
 
     @jax.jit
     def run(params, puz, sol):
         def step(state, _):
             state = sm.outer_step_eval(params, state, puz, **_kw(cfg))
             _, q, ans = sm.readout(params, state, puz)
-            return state, (jnp.all(ans == sol, -1), sm.obeys_rules(ans), q > 0)
+            valid = sm.obeys_rules(ans)
+            return state, (jnp.all(ans == sol, -1), valid, q > 0, sm.conflicts(ans))
 
         return lax.scan(step, sm.init_state(params, puz), None, length=cfg.max_steps)[1]
 
@@ -276,22 +305,32 @@ def trajectory(params, cfg, puzzles, solutions):
         sl = slice(i, i + cfg.eval_chunk)
         p, s = jnp.asarray(puzzles[sl], jnp.int32), jnp.asarray(solutions[sl], jnp.int32)
         outs.append([np.asarray(a) for a in run(params, p, s)])
-    return [np.concatenate([o[j] for o in outs], axis=1) for j in range(3)]
+    return [np.concatenate([o[j] for o in outs], axis=1) for j in range(4)]
 
 
 def halting_fns(params, cfg, rule):
     """``(init, cond, body, answer)`` of one puzzle's halting loop: the carry is ``(z, y,
-    puzzle, stop)``; ``body`` runs one outer step and evaluates the rule."""
+    puzzle, stop, best, since)`` (``best``: the fewest conflicts so far, ``since``: steps since
+    that low was reached, for rule ``"stalled"``); ``body`` runs one outer step and evaluates
+    the rule."""
 
     def init(puz):
         z, y = sm.init_state(params, puz)
-        return z, y, puz, jnp.zeros((), bool)
+        big = jnp.asarray(np.iinfo(np.int32).max, jnp.int32)
+        return z, y, puz, jnp.zeros((), bool), big, jnp.zeros((), jnp.int32)
 
     def body(c):
-        z, y, puz, _ = c
+        z, y, puz, _, best, since = c
         z, y = sm.outer_step_eval(params, (z, y), puz, **_kw(cfg))
         _, q, ans = sm.readout(params, (z, y), puz)
-        return z, y, puz, _stop(rule, q, ans)
+        if rule == "stalled":
+            n = sm.conflicts(ans)
+            since = jnp.where(n < best, 0, since + 1)
+            best = jnp.minimum(best, n)
+            stop = (n == 0) | (since >= cfg.stall_steps)
+        else:
+            stop = _stop(rule, q, ans)
+        return z, y, puz, stop, best, since
 
     def answer(c):
         return sm.readout(params, (c[0], c[1]), c[2])[2]
@@ -304,6 +343,7 @@ def halting_dyndepth(params, cfg, rule, puzzles, *, count=None):
     ``count`` (a one-element list), a ``jax.debug.callback`` in the body adds one per slot and
     iteration that the scheduler executes."""
     init, cond, body, answer = halting_fns(params, cfg, rule)
+    slots = cfg.eval_slots or None
     if count is not None:
         plain = body
 
@@ -313,7 +353,7 @@ def halting_dyndepth(params, cfg, rule, puzzles, *, count=None):
 
     def one(puz):
         c, steps = dyndepth.while_loop(
-            cond, body, init(puz), max_steps=cfg.max_steps, return_steps=True
+            cond, body, init(puz), max_steps=cfg.max_steps, return_steps=True, slots=slots
         )
         return answer(c), steps
 
@@ -346,17 +386,34 @@ def fixed_steps(params, cfg, puzzles):
     return sm.readout(params, state, puzzles)[2]
 
 
+def fixed_in_chunks(params, cfg, puzzles, size):
+    """:func:`fixed_steps` on ``size`` puzzles at a time (a ``lax.map`` over chunks, the last
+    one padded with empty grids): the fixed maximum with the working set of ``size`` slots, to
+    tell what the scheduled loop gains from halting from what it gains from its smaller batch."""
+    n = puzzles.shape[0]
+    chunks = -(-n // size)
+    padded = jnp.zeros((chunks * size, 81), puzzles.dtype).at[:n].set(puzzles)
+    out = lax.map(lambda x: fixed_steps(params, cfg, x), padded.reshape(chunks, size, 81))
+    return out.reshape(chunks * size, 81)[:n]
+
+
 def _by_bucket(values, bucket):
     return {b: float(np.mean(values[bucket == i])) for i, b in enumerate(sd.BUCKETS)}
 
 
-def rule_table(traj, bucket):
+def rule_table(traj, bucket, stall_steps):
     """Each halting rule replayed on the fixed run's trajectory: accuracy and mean steps, by
     bucket (a puzzle's answer is the one after the step at which the rule first holds)."""
-    solved, valid, head = traj
+    solved, valid, head, conflicts = traj
     T = solved.shape[0]
     out = {}
-    for rule, stop in (("valid", valid), ("head", head), ("both", valid & head)):
+    replays = (
+        ("valid", valid),
+        ("head", head),
+        ("both", valid & head),
+        ("stalled", stalled(conflicts, stall_steps)),
+    )
+    for rule, stop in replays:
         first = np.where(stop.any(0), stop.argmax(0), T - 1)
         ok = solved[first, np.arange(solved.shape[1])]
         steps = first + 1
@@ -378,7 +435,7 @@ def evaluate(params, cfg, test, log):
     t0 = time.perf_counter()
     traj = trajectory(params, cfg, test["puzzles"], test["solutions"])
     t_traj = time.perf_counter() - t0
-    rules = rule_table(traj, bucket)
+    rules = rule_table(traj, bucket, cfg.stall_steps)
     # The scheduled loop starts puzzles in batch order; the fewest givens (usually the hardest,
     # the longest to think) go first, so that the long ones do not form the tail.
     order = np.argsort(np.asarray(test["givens"]), kind="stable")
@@ -395,11 +452,21 @@ def evaluate(params, cfg, test, log):
         "dyndepth": (lambda p, x: halting_dyndepth(p, cfg, rule, x), (params, ordered)),
         "lax": (lambda p, x: halting_lax(p, cfg, rule, x), (params, puzzles)),
     }
+    slots = cfg.eval_slots or -(-N // 4)  # the library's default: a quarter of the batch
+    if slots < N:
+        contenders["fixed_chunks"] = (
+            lambda p, x: fixed_in_chunks(p, cfg, x, slots),
+            (params, puzzles),
+        )
     timings = _timed(contenders, cfg.adaptive_repeats)
     inverse = np.argsort(order)
     ans_fixed = np.asarray(timings["fixed"][0])
     ans_dd, steps_dd = (np.asarray(a)[inverse] for a in timings["dyndepth"][0])
     ans_lax, steps_lax = (np.asarray(a) for a in timings["lax"][0])
+    if "fixed_chunks" in timings and not np.array_equal(
+        np.asarray(timings["fixed_chunks"][0]), ans_fixed
+    ):
+        raise RuntimeError("the fixed maximum in chunks gave other answers than in one batch")
     solved_fixed = np.all(ans_fixed == solutions, axis=1)
     solved_dd = np.all(ans_dd == solutions, axis=1)
     solved_lax = np.all(ans_lax == solutions, axis=1)
@@ -419,6 +486,12 @@ def evaluate(params, cfg, test, log):
             executed=N * int(steps_lax.max()),
         ),
     }
+    if "fixed_chunks" in timings:
+        rows["fixed_chunks"] = dict(
+            accuracy=rows["fixed"]["accuracy"],
+            mean_steps=float(cfg.max_steps),
+            executed=-(-N // slots) * slots * cfg.max_steps,
+        )
     for name, r in rows.items():
         r["seconds"] = timings[name][1]
         r["compile_seconds"] = timings[name][2]
@@ -438,6 +511,8 @@ def evaluate(params, cfg, test, log):
         "seconds": rows["dyndepth"]["seconds"],
         "fixed_seconds": rows["fixed"]["seconds"],
         "lax_seconds": rows["lax"]["seconds"],
+        "slots": min(slots, N),
+        "fixed_chunks_seconds": rows.get("fixed_chunks", {}).get("seconds"),
         "timing_repeats": cfg.adaptive_repeats,
         "same_as_lax": bool(
             np.array_equal(steps_dd, steps_lax) and np.array_equal(ans_dd, ans_lax)
@@ -510,9 +585,13 @@ def tables(res, cfg):
         "fixed": f"fixed maximum ({cfg.max_steps} steps, lax.fori_loop)",
         "dyndepth": "dyndepth.while_loop under vmap (scheduled)",
         "lax": "vmap(lax.while_loop)",
+        "fixed_chunks": f"fixed maximum, {a['slots']} puzzles at a time (lax.map)",
     }
     fixed_s = a["contenders"]["fixed"]["seconds"]
-    for k, r in a["contenders"].items():
+    for k in ("fixed", "fixed_chunks", "dyndepth", "lax"):
+        if k not in a["contenders"]:
+            continue
+        r = a["contenders"][k]
         lines.append(
             f"| {names[k]} | {100 * r['accuracy']:.1f}% | {r['mean_steps']:.1f} | "
             f"{r['executed_over_useful']:.2f} | {r['seconds']:.2f} s | "
@@ -675,7 +754,7 @@ def add_arguments(p):
     )
     p.add_argument(
         "--halt-rule",
-        choices=["valid", "head", "both"],
+        choices=["valid", "stalled", "head", "both"],
         default=None,
         help="(--task sudoku) when a puzzle stops: its answer obeys the rules (valid, default), "
         "the halting head says it is final (head), or both",

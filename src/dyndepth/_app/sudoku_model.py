@@ -167,6 +167,21 @@ def obeys_rules(answer):
     return ok[0] & ok[1] & ok[2]
 
 
+def conflicts(answer):
+    """Rule violations of a full grid ``answer`` (..., 81): over every row, column and box, the
+    cells beyond the first that hold a digit the unit already has (0 exactly when
+    :func:`obeys_rules`)."""
+    one = jax.nn.one_hot(answer - 1, 9, dtype=jnp.int32)
+    lead = answer.shape[:-1]
+    g = one.reshape(lead + (3, 3, 3, 3, 9))
+    n = len(lead)
+    total = 0
+    for axes in ((n + 2, n + 3), (n + 0, n + 1), (n + 1, n + 3)):
+        extra = jnp.maximum(jnp.sum(g, axis=axes) - 1, 0)
+        total = total + jnp.sum(extra, axis=tuple(range(n, n + 3)))
+    return total
+
+
 def losses(logits, q, answer, puzzle, solution):
     """Per puzzle: ``(cross-entropy on the empty cells, halting BCE, solved)``."""
     empty = (puzzle == 0).astype(jnp.float32)

@@ -142,7 +142,10 @@ def make_train_step(cfg):
             params, grads, opt, learning_rate(step, cfg), weight_decay=cfg.weight_decay
         )
         steps = steps + 1
-        done = (q > 0) | (steps >= cfg.max_steps)
+        # A row leaves once its puzzle is solved (``train_halt="solved"``) or its halting head
+        # fires (``"head"``, TRM's rule), or after ``max_steps`` outer steps.
+        finished = solved if cfg.train_halt == "solved" else q > 0
+        done = finished | (steps >= cfg.max_steps)
         carry = {
             "puzzle": puzzle,
             "solution": solution,

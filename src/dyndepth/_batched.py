@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from . import _vma
 from ._budget import recompute_slots
+from ._derivative import Perturbed
 from ._leaves import (
     column,
     gather_rows,
@@ -29,7 +30,7 @@ from ._leaves import (
     take,
     where_rows,
 )
-from ._step import Loop, Perturbed
+from ._step import Loop
 
 
 def stats_of(iterations, rows):

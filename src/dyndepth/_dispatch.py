@@ -25,10 +25,12 @@ from typing import Any
 import jax
 
 from . import _batched, _budget, _schedule, _single, _vma
+from ._derivative import Perturbed
 from ._leaves import broadcast_rows, merge, take
+from ._operands import BwdOperands, Cotangents, LoopOperands, LoopOutputs, Stored, n_stored
 from ._per_device import Across, partitioning, per_device
 from ._residuals import ResidualPlan
-from ._step import Loop, Perturbed
+from ._step import Loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,44 +103,38 @@ def _outer_vmap(fn, batch: Batch, operands, out_axes, finish, shared):
 
 
 def forward(loop: Loop, batch: Batch, store: bool, plan: ResidualPlan | None,
-            pert: Perturbed | None, operands: list) -> list:  # fmt: skip
-    """Run the loop. ``operands``: consts, cconsts, init, xs, n, kd. Returns the flat outputs:
-    carry, ys, steps, stats, and with ``store`` buf, stride, ext."""
+            pert: Perturbed | None, ops: LoopOperands) -> list:  # fmt: skip
+    """Run the loop. Returns the flat :class:`dyndepth._operands.LoopOutputs` (with ``store``,
+    what the backward pass needs)."""
     loop = _budget.fitted(loop, batch)
-    nk, ncc, nc = loop.n_consts, loop.n_cconsts, len(loop.carry_avals)
-    nx = len(loop.x_avals)
-    consts, cconsts = operands[:nk], operands[nk : nk + ncc]
-    init = operands[nk + ncc : nk + ncc + nc]
-    xs = operands[nk + ncc + nc : nk + ncc + nc + nx]
-    n, kd = operands[-2], operands[-1]
-    kd = None if loop.keys is None else kd
+    kd = None if loop.keys is None else ops.kd
     if not batch:
         carry, ys, steps, res, stats = _single.forward(
-            loop, consts, cconsts, init, xs, n, kd, store=store, pert=pert, plan=plan
-        )
+            loop, ops.consts, ops.cconsts, ops.init, ops.xs, ops.n, kd, store=store, pert=pert,
+            plan=plan,
+        )  # fmt: skip
         return _flat_forward(carry, ys, steps, stats, res)
-    if len(batch) > 1:
-        inner = lambda *ops: forward(loop, batch[:-1], store, plan, pert, list(ops))  # noqa: E731
-        # Every output gains the outer axis but the stored-residual buffers (unfilled, shared).
-        out_axes = [0] * (nc + len(loop.y_avals) + 2)
-        stats = nc + len(loop.y_avals) + 1
-        shared = {stats: _batched.merge_stats}  # the inner loops' stats, combined
-        if store:
-            n_ext = 0 if plan is None else len(plan.stored)
-            out_axes += [0] * (nc + 1) + [None] * n_ext
-            shared.update({len(out_axes) - n_ext + j: _same for j in range(n_ext)})
-        return _outer_vmap(
-            inner, batch, operands, out_axes, partial(_combine_stats, nc, loop), shared
-        )
-    return _forward_rows(loop, batch[0], store, plan, consts, cconsts, init, xs, n, kd)
+    if len(batch) == 1:
+        return _forward_rows(loop, batch[0], store, plan, dataclasses.replace(ops, kd=kd))
+
+    def inner(*flat):
+        return forward(loop, batch[:-1], store, plan, pert, LoopOperands.split(flat, loop))
+
+    nc, ny, n_ext = len(loop.carry_avals), len(loop.y_avals), n_stored(plan)
+    # Every output gains the outer axis but the stored-residual buffers (unfilled, shared).
+    axes = LoopOutputs([0] * nc, [0] * ny, 0, 0,
+                       Stored([0] * nc, 0, [None] * n_ext) if store else None)  # fmt: skip
+    # What the devices combine: the inner loops' stats; the unfilled buffers are alike.
+    merges = LoopOutputs([None] * nc, [None] * ny, None, _batched.merge_stats,
+                         Stored([None] * nc, None, [_same] * n_ext) if store else None)  # fmt: skip
+    shared = {i: m for i, m in enumerate(merges.flat()) if m is not None}
+    return _outer_vmap(inner, batch, ops.flat(), axes.flat(),
+                       partial(_combine_stats, loop, store, n_ext), shared)  # fmt: skip
 
 
 def _flat_forward(carry, ys, steps, stats, res) -> list:
-    out = [*carry, *ys, steps, stats]
-    if res is not None:
-        buf, stride, ext = res
-        out += [*buf, stride, *ext]
-    return out
+    stored = None if res is None else Stored(list(res[0]), res[1], list(res[2]))
+    return LoopOutputs(list(carry), list(ys), steps, stats, stored).flat()
 
 
 def _same(value, across):
@@ -150,26 +146,21 @@ def _summed(value, across):
     return across.sum(value)
 
 
-def _combine_stats(nc: int, loop: Loop, out: list) -> list:
+def _combine_stats(loop: Loop, store: bool, n_ext: int, out: list) -> list:
     """After a vmap over an outer level: the stats of every inner loop, combined."""
-    pos = nc + len(loop.y_avals) + 1
-    out[pos] = _batched.merge_stats(out[pos], Across())
-    return out
+    outs = LoopOutputs.split(out, loop, store, n_ext)
+    return dataclasses.replace(outs, stats=_batched.merge_stats(outs.stats, Across())).flat()
 
 
-def _forward_rows(loop, level, store, plan, consts, cconsts, init, xs, n, kd) -> list:
-    nk, ncc, nc, nx = len(consts), len(cconsts), len(init), len(xs)
-    flags = level.batched
-    cb, ccb = flags[:nk], flags[nk : nk + ncc]
-    ib, xb = flags[nk + ncc : nk + ncc + nc], flags[nk + ncc + nc : nk + ncc + nc + nx]
-    nb, kb = flags[-2], flags[-1]
+def _forward_rows(loop, level, store, plan, ops: LoopOperands) -> list:
+    flags = LoopOperands.split(level.batched, loop)
     R = level.size
-    init = broadcast_rows(init, ib, R)
-    xs = broadcast_rows(xs, xb, R)
-    n = broadcast_rows([n], [nb], R)[0]
-    kd = None if kd is None else broadcast_rows([kd], [kb], R)[0]
-    per_sample = _per_sample_steps(loop, nb)
-    c_axes, cc_axes = _axes(cb), _axes(ccb)
+    init = broadcast_rows(ops.init, flags.init, R)
+    xs = broadcast_rows(ops.xs, flags.xs, R)
+    n = broadcast_rows([ops.n], [flags.n], R)[0]
+    kd = None if ops.kd is None else broadcast_rows([ops.kd], [flags.kd], R)[0]
+    per_sample = _per_sample_steps(loop, flags.n)
+    c_axes, cc_axes = _axes(flags.consts), _axes(flags.cconsts)
 
     def run(consts, cconsts, init, xs, n, kd):
         args = (loop, consts, c_axes, cconsts, cc_axes, init, xs, n, kd)
@@ -192,18 +183,22 @@ def _forward_rows(loop, level, store, plan, consts, cconsts, init, xs, n, kd) ->
         return _schedule.forward_refill(*args, store=store, slots=slots)
 
     # Under plain jit with the rows sharded over Explicit mesh axes: one loop per device.
-    in_b = (list(cb), list(ccb), [True] * nc, [True] * nx, True, _leaf_or_none(kd))
+    nc, nx = len(init), len(xs)
+    in_b = (list(flags.consts), list(flags.cconsts), [True] * nc, [True] * nx, True,
+            _leaf_or_none(kd))  # fmt: skip
     carry, ys, steps, res, stats = per_device(
-        run, (consts, cconsts, init, xs, n, kd), in_b, (n, init, xs), (_batched.merge_stats,)
-    )
+        run, (ops.consts, ops.cconsts, init, xs, n, kd), in_b, (n, init, xs),
+        (_batched.merge_stats,),
+    )  # fmt: skip
     # A shared depth (and no predicate) leaves the steps unbatched: the backward pass then
     # runs in lockstep, unscheduled (nothing to save).
     steps = steps if per_sample else _shared_steps(steps)
     if store:
         # A batched forward pass stores carries only; the stored-residual buffers of a plan
         # (made for an unbatched loop) stay empty, and the backward pass recomputes.
-        res = (res[0], res[1], [_vma.zeros((loop.max_steps,), a) for a in plan.stored]
-               if plan is not None else [])  # fmt: skip
+        buf, stride = res[0], res[1]  # (the batched kernels return no stored residuals)
+        ext = [] if plan is None else [_vma.zeros((loop.max_steps,), a) for a in plan.stored]
+        res = (buf, stride, ext)
     return _flat_forward(carry, ys, steps, stats, res)
 
 
@@ -227,77 +222,69 @@ def _axes(flags) -> list:
 
 
 def backward(loop: Loop, batch: Batch, pert: Perturbed, plan: ResidualPlan | None,
-             use_ext: bool, operands: list) -> list:  # fmt: skip
-    """The reverse sweep. ``operands``: consts, xs, kd, steps, buf, stride, ext, ct_carry and
-    ct_ys (perturbed leaves). Returns the cotangents of the perturbed consts, init and xs."""
-    nk, nx, nc = loop.n_consts, len(loop.x_avals), len(loop.carry_avals)
-    if nc:  # the checkpoints the forward pass stored, whatever batch it ran over
-        loop = _budget.matching(loop, operands[nk + nx + 2], loop.carry_avals[0])
-    ne = 0 if plan is None else len(plan.stored)
-    consts, xs = operands[:nk], operands[nk : nk + nx]
-    kd, steps = operands[nk + nx], operands[nk + nx + 1]
-    pos = nk + nx + 2
-    buf, stride, ext = (
-        operands[pos : pos + nc],
-        operands[pos + nc],
-        operands[pos + nc + 1 : pos + nc + 1 + ne],
-    )
-    cts = operands[pos + nc + 1 + ne :]
-    ct_c, ct_y = cts[: sum(pert.carry)], cts[sum(pert.carry) :]
-    kd = None if loop.keys is None else kd
+             use_ext: bool, ops: BwdOperands) -> list:  # fmt: skip
+    """The reverse sweep. Returns the flat :class:`dyndepth._operands.Cotangents` (of the
+    perturbed consts, init and xs leaves)."""
+    if loop.carry_avals:  # the checkpoints the forward pass stored, whatever batch it ran over
+        loop = _budget.matching(loop, ops.res.stored.buf[0], loop.carry_avals[0])
     if not batch:
+        stored = ops.res.stored
         use = plan if use_ext else None
-        res = (buf, stride, ext)
-        out = _single.backward(loop, pert, use, consts, xs, kd, res, steps, ct_c, ct_y)
-        return [*out[0], *out[1], *out[2]]
-    if len(batch) > 1:
-        inner = lambda *ops: backward(loop, batch[:-1], pert, plan, use_ext, list(ops))  # noqa: E731
-        level = batch[-1]
-        kflags = take(level.batched[:nk], pert.consts)
+        kd = None if loop.keys is None else ops.kd
+        out = _single.backward(loop, pert, use, ops.consts, ops.xs, kd,
+                               (stored.buf, stored.stride, stored.ext), ops.res.steps,
+                               ops.ct_carry, ops.ct_ys)  # fmt: skip
+        return Cotangents(*out).flat()
+    if len(batch) == 1:
+        return _backward_rows(loop, batch[0], pert, plan, use_ext, ops)
 
-        summed = [level.reduce and not b for b in kflags]
+    def inner(*flat):
+        return backward(loop, batch[:-1], pert, plan, use_ext,
+                        BwdOperands.split(flat, loop, pert, plan))  # fmt: skip
 
-        def reduce(out):
-            # A const shared by this level's elements gets their cotangents summed when the
-            # level was batched before differentiation.
-            k = [g.sum(0) if s else g for g, s in zip(out[: len(kflags)], summed, strict=True)]
-            return k + out[len(kflags) :]
+    level = batch[-1]
+    flags = BwdOperands.split(level.batched, loop, pert, plan)
+    # A const shared by this level's elements gets their cotangents summed when the level was
+    # batched before differentiation.
+    summed = [level.reduce and not b for b in take(flags.consts, pert.consts)]
 
-        shared = {i: _summed for i, s in enumerate(summed) if s}
-        return _outer_vmap(inner, batch, operands, 0, reduce, shared)
-    return _backward_rows(loop, batch[0], pert, plan, use_ext, consts, xs, kd, steps, buf, stride,
-                          ext, ct_c, ct_y, operands)  # fmt: skip
+    def reduce(out):
+        g = Cotangents.split(out, pert)
+        k = [c.sum(0) if s else c for c, s in zip(g.consts, summed, strict=True)]
+        return dataclasses.replace(g, consts=k).flat()
+
+    shared = {i: _summed for i, s in enumerate(summed) if s}  # (the consts' come first)
+    return _outer_vmap(inner, batch, ops.flat(), 0, reduce, shared)
 
 
-def _backward_rows(loop, level, pert, plan, use_ext, consts, xs, kd, steps, buf, stride, ext,
-                   ct_c, ct_y, operands) -> list:  # fmt: skip
-    nk, nx, nc = len(consts), len(xs), len(buf)
-    flags = level.batched
-    cb, xb, kb, sb = flags[:nk], flags[nk : nk + nx], flags[nk + nx], flags[nk + nx + 1]
-    rb = flags[nk + nx + 2 + nc]  # stride: batched iff the forward pass ran batched here
+def _backward_rows(loop, level, pert, plan, use_ext, ops: BwdOperands) -> list:
+    flags = BwdOperands.split(level.batched, loop, pert, plan)
     R = level.size
-    if not rb:
+    if not flags.res.stored.stride:
         # The forward pass ran unbatched at this level and only the cotangents (and perhaps
         # consts) are batched, as in jacrev: the unbatched sweep, mapped over them.
-        inner = lambda *ops: backward(loop, (), pert, plan, use_ext, list(ops))  # noqa: E731
-        return jax.vmap(inner, in_axes=_axes(flags), axis_size=R)(*operands)
-    xs = broadcast_rows(xs, xb, R)
-    kd = None if kd is None else broadcast_rows([kd], [kb], R)[0]
-    steps = broadcast_rows([steps], [sb], R)[0]
-    buf = broadcast_rows(buf, flags[nk + nx + 2 : nk + nx + 2 + nc], R)
-    stride = broadcast_rows([stride], [rb], R)[0]
-    ct_flags = flags[len(flags) - len(ct_c) - len(ct_y) :]
-    ct_c = broadcast_rows(ct_c, ct_flags[: len(ct_c)], R)
-    ct_y = broadcast_rows(ct_y, ct_flags[len(ct_c) :], R)
-    c_axes = _axes(cb)
-    per_row = not level.reduce
+        def unbatched(*flat):
+            return backward(
+                loop, (), pert, plan, use_ext, BwdOperands.split(flat, loop, pert, plan)
+            )
 
+        return jax.vmap(unbatched, in_axes=_axes(flags.flat()), axis_size=R)(*ops.flat())
+    res, res_b = ops.res, flags.res
+    xs = broadcast_rows(ops.xs, flags.xs, R)
+    kd = None if loop.keys is None else broadcast_rows([ops.kd], [flags.kd], R)[0]
+    steps = broadcast_rows([res.steps], [res_b.steps], R)[0]
+    buf = broadcast_rows(res.stored.buf, res_b.stored.buf, R)
+    stride = broadcast_rows([res.stored.stride], [True], R)[0]
+    ct_c = broadcast_rows(ops.ct_carry, flags.ct_carry, R)
+    ct_y = broadcast_rows(ops.ct_ys, flags.ct_ys, R)
+    c_axes = _axes(flags.consts)
+    per_row = not level.reduce
     # Which const cotangents have a row axis: a per-row const's, and every one kept per row.
     k_rows = [ax == 0 or per_row for ax in take(c_axes, pert.consts)]
 
     def run(consts, xs, kd, buf, stride, steps, ct_c, ct_y):
         args = (loop, pert, consts, c_axes, xs, kd, (buf, stride), steps, ct_c, ct_y)
-        if sb and not loop.thinning and _schedulable(loop, steps.shape[0]):
+        if res_b.steps and not loop.thinning and _schedulable(loop, steps.shape[0]):
             acc, ct, ct_xs = _schedule.run_with_slots(
                 steps, _schedule.SlotRule.for_loop(loop, steps.shape[0]),
                 lambda: _batched.backward(*args, per_row=per_row),
@@ -311,10 +298,11 @@ def _backward_rows(loop, level, pert, plan, use_ext, consts, xs, kd, steps, buf,
 
     # Under plain jit with the rows sharded over Explicit mesh axes: one loop per device; the
     # shared consts' cotangents are summed over the devices afterwards.
-    args = (consts, xs, kd, buf, stride, steps, ct_c, ct_y)
-    in_b = (list(cb), [True] * nx, _leaf_or_none(kd), [True] * nc, True, True,
+    nx, nc = len(xs), len(buf)
+    args = (ops.consts, xs, kd, buf, stride, steps, ct_c, ct_y)
+    in_b = (list(flags.consts), [True] * nx, _leaf_or_none(kd), [True] * nc, True, True,
             [True] * len(ct_c), [True] * len(ct_y))  # fmt: skip
     ct, ct_xs, acc_rows, acc_shared = per_device(
         run, args, in_b, (steps, buf, ct_c), (lambda acc, across: [across.sum(a) for a in acc],)
     )
-    return [*merge(acc_rows, acc_shared, k_rows), *ct, *ct_xs]
+    return Cotangents(merge(acc_rows, acc_shared, k_rows), ct, ct_xs).flat()

@@ -1,7 +1,7 @@
 """Public loop primitives: ``repeat``, ``scan`` and ``while_loop``.
 
 All of them trace the user's function into one step ``(carry, x, key) -> (carry, y)``
-(:func:`dyndepth._step.trace_loop`), validate the arguments, and bind the loop primitive
+(:func:`dyndepth._trace.trace_loop`), validate the arguments, and bind the loop primitive
 (:mod:`dyndepth._primitives`) or, for ``"masked"``, run the plain ``lax`` loop; they differ only
 in how the user's function is wrapped and in the stop rule.
 """
@@ -15,9 +15,9 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from . import _checks, _compat, _masked, _primitives, _vma
+from . import _checks, _collectives, _masked, _primitives, _vma
 from ._keys import KeySchedule, check_key
-from ._step import StepKind, trace_loop
+from ._trace import StepKind, trace_loop
 from ._types import Strategy
 
 __all__ = ["repeat", "repeat_batched", "scan", "while_loop"]
@@ -35,87 +35,6 @@ def _key_parts(key: Any, name: str) -> tuple[KeySchedule | None, Any, Any]:
     plain = jax.ShapeDtypeStruct(data.shape, data.dtype)
     example = jax.eval_shape(lambda d: keys.key_at(d, jnp.zeros((), jnp.int32)), plain)
     return keys, data, example
-
-
-def _names_in(jaxpr: Any, collectives_only: bool = False) -> set:
-    """Axis names that collectives and ``axis_index`` (unless ``collectives_only``) in
-    ``jaxpr`` refer to."""
-    names: set = set()
-    for eqn in jaxpr.eqns:
-        if collectives_only and eqn.primitive.name in ("axis_index", "pvary", "pcast"):
-            continue
-        for param in ("axes", "axis_name"):
-            value = eqn.params.get(param)
-            values = value if isinstance(value, tuple | list) else (value,)
-            names.update(v for v in values if isinstance(v, str))
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            names |= _names_in(sub, collectives_only)
-    return names
-
-
-def _check_no_collective_over_uneven_trip_counts(loop: Any, fname: str, n: Any, init: Any):
-    """Inside ``shard_map``, a collective in the step over a mesh axis that the trip count
-    varies over (the depth, or the carry a stop predicate reads) would wait forever for the
-    devices that stopped: raise instead."""
-    manual = set(_vma.manual_axes())
-    if not manual:
-        return
-    names = _names_in(loop.step_jaxpr.jaxpr, collectives_only=True)
-    if loop.cond_jaxpr is not None:
-        names |= _names_in(loop.cond_jaxpr.jaxpr, collectives_only=True)
-    uneven = set(_vma.state_axes_of([n] + ([init] if loop.cond_jaxpr is not None else [])))
-    bad = sorted(names & manual & uneven)
-    if bad:
-        raise ValueError(
-            f"`{fname}` uses a collective over mesh axis {bad[0]!r} inside shard_map, but the "
-            f"number of steps varies over {bad[0]!r} (a per-device depth or stop condition): "
-            "the devices that stop early would never join it and the program would hang. "
-            f"Reduce over {bad[0]!r} after the loop, give every device the same depth, or use "
-            "strategy='masked' (every device runs max_depth steps)"
-        )
-
-
-def _check_no_auto_axes_around_uneven_trip_counts(loop: Any, fname: str, n: Any, init: Any):
-    """Inside a ``shard_map`` manual over some mesh axes only, XLA partitions the step over the
-    others (``Auto`` axes) itself, and may put collectives inside the loop whose rendezvous takes
-    every device (seen: collective-permutes of a transformer block's gradient, with its weights
-    split over ``model``). When the number of steps varies over a manual axis, the devices that
-    stop early never join them and the program hangs or aborts: raise at trace time instead.
-    What XLA will emit is not known when the loop is traced, so any such loop raises."""
-    manual = set(_vma.manual_axes())
-    if not manual:
-        return
-    mesh = jax.sharding.get_abstract_mesh()
-    auto = [name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
-            if name not in manual and kind == jax.sharding.AxisType.Auto
-            and mesh.shape[name] > 1]  # fmt: skip
-    uneven = [a for a in _vma.state_axes_of([n] + ([init] if loop.cond_jaxpr is not None else []))
-              if a in manual]  # fmt: skip
-    if not (auto and uneven):
-        return
-    everything = tuple(mesh.axis_names)
-    raise ValueError(
-        f"`{fname}` runs inside a jax.shard_map that is manual over {sorted(manual)} only; "
-        f"XLA partitions the step over the other mesh axes {auto} (Auto) itself and may put "
-        "collectives over every device inside the loop, while the number of steps varies over "
-        f"{uneven[0]!r} (a per-device depth or stop condition): the devices that stop early "
-        "would never join them and the program would hang. Instead, make the shard_map manual "
-        f"over every mesh axis (axis_names={set(everything)}, or leave axis_names out), split "
-        f"the weights with in_specs (such as P(None, {auto[0]!r})) and write the step's "
-        f"reductions over {auto[0]!r} yourself (lax.psum); or use plain jax.jit on a mesh with "
-        "Explicit axes (jax.make_mesh(..., axis_types=(AxisType.Explicit,) * k) under "
-        "jax.set_mesh), where the weights stay split inside the loop; or give every device the "
-        "same depth, or use strategy='masked' (every device runs max_depth steps)"
-    )
-
-
-def _uses_vmap_axis(loop: Any) -> bool:
-    """Whether the step or predicate uses the axis of an enclosing ``vmap`` (a collective or
-    ``axis_index`` over it): then every sample must step in lockstep with the others."""
-    names = _names_in(loop.step_jaxpr.jaxpr)
-    if loop.cond_jaxpr is not None:
-        names |= _names_in(loop.cond_jaxpr.jaxpr)
-    return bool(_compat.bound_axes(names) - set(_vma.manual_axes()))
 
 
 def _run(kind: StepKind, fn: Callable, cond_fn: Callable | None, init: Any, xs: Any, n: Any,
@@ -144,11 +63,10 @@ def _run(kind: StepKind, fn: Callable, cond_fn: Callable | None, init: Any, xs: 
     if length == 0:
         ys = [jnp.zeros((0,) + a.shape, a.dtype) for a in loop.y_avals]
         carry, steps, stats = traced.init, jnp.zeros((), jnp.int32), jnp.zeros((2,), jnp.int32)
-    elif strategy == "masked" or _uses_vmap_axis(loop):
+    elif strategy == "masked" or _collectives.uses_vmap_axis(loop):
         carry, ys, steps, stats = _masked.run(loop, *operands)
     else:
-        _check_no_collective_over_uneven_trip_counts(loop, kind.fname, n, traced.init)
-        _check_no_auto_axes_around_uneven_trip_counts(loop, kind.fname, n, traced.init)
+        _collectives.check_uneven_trip_counts(loop, kind.fname, n, traced.init)
         # Under jit, arrays placed on a mesh with Explicit axes are typed with it: the loop's
         # own buffers are then created under that mesh too (as under jax.set_mesh).
         with _vma.mesh_context(operands):

@@ -15,7 +15,7 @@ batched loop: its backward pass sums a shared parameter's gradient over the batc
 loop (no per-sample copy). Under ``vmap(grad(f))`` the JVP rule sees the unbatched loop, and
 ``bwd_p``'s batching rule keeps every sample's gradient apart, as that composition means.
 
-Only what is perturbed is differentiated (:func:`dyndepth._step.perturbation`): consts nothing
+Only what is perturbed is differentiated (:func:`dyndepth._derivative.perturbation`): consts nothing
 differentiates stay constants of the backward pass, and a carry leaf no tangent reaches has no
 tangent.
 
@@ -38,11 +38,23 @@ from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
 
 from . import _batched, _compat, _dispatch, _masked, _per_device, _vma
+from ._derivative import Perturbed, const_order, jvp_loop, perturbation
 from ._dispatch import Batch, Level
 from ._keys import mixed_draws
-from ._leaves import fill, take
+from ._leaves import merge, take
+from ._operands import (
+    BwdOperands,
+    Cotangents,
+    LinOperands,
+    LoopOperands,
+    LoopOutputs,
+    Residuals,
+    Stored,
+    Tangents,
+    n_stored,
+)
 from ._residuals import residual_plan
-from ._step import Loop, Perturbed, const_order, jvp_loop, perturbation
+from ._step import Loop
 
 loop_p = Primitive("dyndepth_loop")
 lin_p = Primitive("dyndepth_loop_tangent")
@@ -56,32 +68,44 @@ for _p in (loop_p, lin_p, bwd_p, guard_p):
 
 
 def _forward_kernel(*ops, loop, batch, store, plan, pert):
-    return _dispatch.forward(loop, batch, store, plan, pert, list(ops))
+    return _dispatch.forward(loop, batch, store, plan, pert, LoopOperands.split(ops, loop))
 
 
 def _backward_kernel(*ops, loop, batch, pert, plan, use_ext):
-    out = _dispatch.backward(loop, batch, pert, plan, use_ext, list(ops))
+    bwd = BwdOperands.split(ops, loop, pert, plan)
+    out = Cotangents.split(_dispatch.backward(loop, batch, pert, plan, use_ext, bwd), pert)
     # A const sharded over an Explicit axis other than the batch's (a tensor-parallel weight)
     # was replicated into the per-device loops: its cotangent is typed back like it.
-    consts = take(ops[: loop.n_consts], pert.consts)
-    typed = [_vma.typed_like(g, c) for g, c in zip(out[: len(consts)], consts, strict=True)]
-    return typed + out[len(consts) :]
+    consts = take(bwd.consts, pert.consts)
+    typed = [_vma.typed_like(g, c) for g, c in zip(out.consts, consts, strict=True)]
+    return dataclasses.replace(out, consts=typed).flat()
 
 
 def _tangent_kernel(*ops, loop, batch, pert, plan, keep, use_ext):
-    """The tangents: the jvp'd loop (:func:`dyndepth._step.jvp_loop`) run from ``init``."""
+    """The tangents: the jvp'd loop (:func:`dyndepth._derivative.jvp_loop`) run from ``init``."""
     del use_ext
-    lay = _LinLayout.of(loop, pert, plan, keep)
-    consts, cconsts, init, xs, n, kd, _, t_k, t_i, t_x = lay.split(ops)
+    lin = LinOperands.split(ops, loop, pert, plan, keep)
     aug = jvp_loop(loop, pert)
-    both = list(consts) + list(t_k)
-    consts2 = [both[j] for j in const_order(loop, pert)]
-    operands = [*consts2, *cconsts, *init, *t_i, *xs, *t_x, n, kd]
-    aug_batch = tuple(dataclasses.replace(lv, batched=lay.aug_flags(lv.batched)) for lv in batch)
-    outs = loop_p.bind(*operands, loop=aug, batch=aug_batch, store=False, plan=None, pert=None)
-    nc, ny = len(loop.carry_avals), len(loop.y_avals)
-    nc2 = len(aug.carry_avals)
-    return outs[nc:nc2] + outs[nc2 + ny : nc2 + len(aug.y_avals)]
+    aug_batch = tuple(
+        dataclasses.replace(lv, batched=tuple(_jvp_operands(
+            loop, pert, LinOperands.split(lv.batched, loop, pert, plan, keep)).flat()))
+        for lv in batch
+    )  # fmt: skip
+    outs = loop_p.bind(*_jvp_operands(loop, pert, lin).flat(), loop=aug, batch=aug_batch,
+                       store=False, plan=None, pert=None)  # fmt: skip
+    outs = LoopOutputs.split(outs, aug, store=False)
+    # The jvp'd loop's carry and ys: the loop's, then their tangents.
+    return outs.carry[len(loop.carry_avals) :] + outs.ys[len(loop.y_avals) :]
+
+
+def _jvp_operands(loop: Loop, pert: Perturbed, lin: LinOperands) -> LoopOperands:
+    """The operands (or their batching flags) of the jvp'd loop, from ``lin_p``'s: the consts
+    and their tangents in :func:`dyndepth._derivative.const_order`, the carry and xs leaves followed
+    by their tangents."""
+    p = lin.primal
+    both = list(p.consts) + list(lin.t_consts)
+    consts = [both[j] for j in const_order(loop, pert)]
+    return LoopOperands(consts, p.cconsts, [*p.init, *lin.t_init], [*p.xs, *lin.t_xs], p.n, p.kd)
 
 
 _KERNELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -104,12 +128,22 @@ def _kernel_jaxpr(kind: str, params: dict, avals: tuple, partitioned: bool = Fal
 
 
 def _state_axes(loop: Loop, avals: tuple) -> tuple[str, ...]:
-    """The manual axes a kernel's loop state varies over: those of its operands and of the
-    step's (and stop predicate's) inputs and outputs as traced."""
-    traced = [loop.step_jaxpr.in_avals, loop.step_jaxpr.out_avals]
+    """The manual axes a kernel's loop state varies over: those of its operands but the consts
+    (its first ``loop.n_consts``), and of the step's carry, xs and key (the inputs after its
+    consts) and outputs and the stop predicate's inputs, as traced.
+
+    A const's axes count only through the step's outputs (where the step makes the state vary
+    over them): a weight split over ``model`` whose products the step sums over ``model``
+    (``lax.psum``) leaves the state replicated over ``model``, and the backward loop's
+    cotangents with it; typing the state as varying over ``model`` would make them disagree
+    with the carry's cotangents, and casting those would count them once per ``model`` device.
+    The axes the number of steps varies over (the depths', the predicate's, the backward
+    pass's ``steps``) are operands or predicate inputs: always included."""
+    nk = loop.n_consts
+    traced = [loop.step_jaxpr.in_avals[nk:], loop.step_jaxpr.out_avals]
     if loop.cond_jaxpr is not None:
         traced.append(loop.cond_jaxpr.in_avals)
-    return _vma.state_axes_of([list(avals), traced])
+    return _vma.state_axes_of([list(avals[nk:]), traced])
 
 
 def _effects(loop: Loop) -> bool:
@@ -161,50 +195,13 @@ _register(bwd_p, "bwd")
 _per_device.needs_devices_when_lowered(loop_p, bwd_p)
 
 
-# ----------------------------------------------------------------------------- layouts
-
-
-@dataclasses.dataclass(frozen=True)
-class _LinLayout:
-    """The operands of ``lin_p``: the loop's operands, the forward pass's residuals (with
-    ``keep``: steps, buf, stride, ext), then the tangents of the perturbed consts, carry and
-    xs."""
-
-    loop: Loop
-    pert: Perturbed
-    keep: bool
-    n_ext: int
-
-    @staticmethod
-    def of(loop: Loop, pert: Perturbed, plan, keep: bool) -> _LinLayout:
-        return _LinLayout(loop, pert, keep, 0 if plan is None else len(plan.stored))
-
-    def sizes(self):
-        lp = self.loop
-        nres = (2 + len(lp.carry_avals) + self.n_ext) if self.keep else 0
-        return [lp.n_consts, lp.n_cconsts, len(lp.carry_avals), len(lp.x_avals), 1, 1, nres,
-                sum(self.pert.consts), sum(self.pert.carry), sum(self.pert.xs)]  # fmt: skip
-
-    def split(self, ops):
-        out, pos = [], 0
-        for size in self.sizes():
-            out.append(list(ops[pos : pos + size]))
-            pos += size
-        consts, cconsts, init, xs, n, kd, res, t_k, t_i, t_x = out
-        return consts, cconsts, init, xs, n[0], kd[0], res, t_k, t_i, t_x
-
-    def aug_flags(self, flags):
-        """A level's flags for the jvp'd loop's operands (see :func:`_tangent_kernel`)."""
-        consts, cconsts, init, xs, n, kd, _, t_k, t_i, t_x = self.split(flags)
-        both = list(consts) + list(t_k)
-        consts2 = [both[j] for j in const_order(self.loop, self.pert)]
-        return tuple([*consts2, *cconsts, *init, *t_i, *xs, *t_x, n, kd])
+# ----------------------------------------------------------------------------- helpers
 
 
 def _steps_flags(loop: Loop, batch: Batch) -> list[bool]:
     """Per level, whether the forward pass's ``steps`` output is batched there."""
     return [
-        i > 0 or bool(level.batched[-2]) or loop.cond_jaxpr is not None
+        i > 0 or bool(LoopOperands.split(level.batched, loop).n) or loop.cond_jaxpr is not None
         for i, level in enumerate(batch)
     ]
 
@@ -253,23 +250,26 @@ def _per_sample_draws(loop: Loop) -> bool:
 
 
 def _loop_batch(args, dims, *, loop, batch, store, plan, pert):
+    params = dict(loop=loop, batch=batch, store=store, plan=plan, pert=pert)
     if not _per_sample_draws(loop):
-        outs = _one_at_a_time(loop_p, args, dims, dict(loop=loop, batch=batch, store=store,
-                                                       plan=plan, pert=pert))  # fmt: skip
-        stats = len(loop.carry_avals) + len(loop.y_avals) + 1
-        outs[stats] = _batched.merge_stats(outs[stats], _per_device.Across())
-        return outs, [None if j == stats else 0 for j in range(len(outs))]
+        flat = _one_at_a_time(loop_p, args, dims, params)
+        outs = LoopOutputs.split(flat, loop, store, n_stored(plan))
+        merged = _batched.merge_stats(outs.stats, _per_device.Across())
+        out_dims = dataclasses.replace(LoopOutputs.split([0] * len(flat), loop, store,
+                                                         n_stored(plan)), stats=None)  # fmt: skip
+        return dataclasses.replace(outs, stats=merged).flat(), out_dims.flat()
     flags = tuple(d is not None for d in dims)
     level = Level(_size(args, dims), flags)
     args = [_move(x, d) for x, d in zip(args, dims, strict=True)]
-    new = batch + (level,)
-    outs = loop_p.bind(*args, loop=loop, batch=new, store=store, plan=plan, pert=pert)
+    params["batch"] = batch + (level,)
+    outs = loop_p.bind(*args, **params)
     nc, ny = len(loop.carry_avals), len(loop.y_avals)
-    steps_b = _steps_flags(loop, new)[-1]
-    out_dims = [0] * (nc + ny) + [0 if steps_b else None, None]
-    if store:
-        out_dims += [0] * (nc + 1) + [None] * (len(outs) - len(out_dims) - nc - 1)
-    return outs, out_dims
+    steps_b = _steps_flags(loop, params["batch"])[-1]
+    # Everything gains the new axis but a shared step count, the statistics (summed over the
+    # rows) and the stored-residual buffers (unfilled under a batch).
+    stored = Stored([0] * nc, 0, [None] * n_stored(plan)) if store else None
+    out_dims = LoopOutputs([0] * nc, [0] * ny, 0 if steps_b else None, None, stored)
+    return outs, out_dims.flat()
 
 
 batching.primitive_batchers[loop_p] = _loop_batch
@@ -285,40 +285,41 @@ def _loop_jvp(primals, tangents, *, loop, batch, store, plan, pert):
         # Already a differentiated loop's forward pass (forward over reverse): forward mode
         # through the kernel, and no reverse mode over it.
         return _kernel_jvp(_forward_kernel, params, primals, tangents)
-    nk, ncc, nc, nx = loop.n_consts, loop.n_cconsts, len(loop.carry_avals), len(loop.x_avals)
-    nonzero = [type(t) is not ad.Zero for t in tangents]
-    pert = perturbation(loop, nonzero[:nk], nonzero[nk + ncc : nk + ncc + nc],
-                        nonzero[nk + ncc + nc : nk + ncc + nc + nx])  # fmt: skip
+    nonzero = LoopOperands.split([type(t) is not ad.Zero for t in tangents], loop)
+    pert = perturbation(loop, nonzero.consts, nonzero.init, nonzero.xs)
     if not pert.any:
         outs = loop_p.bind(*primals, **params)
         return outs, _zeros_for(outs)
     if loop.strategy != "while" and _under_reverse(primals):
         return _masked_jvp(loop, batch, primals, tangents)
     keep = loop.strategy != "while"
-    consts, xs = primals[:nk], primals[nk + ncc + nc : nk + ncc + nc + nx]
-    kd = None if loop.keys is None else primals[-1]
+    ops = LoopOperands.split(primals, loop)
     if keep and not batch:
-        plan = _plan_for(loop, pert, consts, xs, kd)
+        kd = None if loop.keys is None else ops.kd
+        plan = _plan_for(loop, pert, ops.consts, ops.xs, kd)
     outs = loop_p.bind(*primals, loop=loop, batch=batch, store=keep, plan=plan, pert=pert)
-    ny = len(loop.y_avals)
-    base, res = outs[: nc + ny + 2], outs[nc + ny + 2 :]
-    t_all = [ad.instantiate_zeros(t) for t in tangents]
-    t_in = (take(t_all[:nk], pert.consts) + take(t_all[nk + ncc : nk + ncc + nc], pert.carry)
-            + take(t_all[nk + ncc + nc : nk + ncc + nc + nx], pert.xs))  # fmt: skip
-    res_ops = ([base[nc + ny]] + res) if keep else []
-    lay = _LinLayout.of(loop, pert, plan, keep)
+    outs = LoopOutputs.split(outs, loop, keep, n_stored(plan))
+    t = LoopOperands.split([ad.instantiate_zeros(t) for t in tangents], loop)
+    res = Residuals(outs.steps, outs.stored) if keep else None
+    lin = LinOperands(ops, res, take(t.consts, pert.consts), take(t.init, pert.carry),
+                      take(t.xs, pert.xs))  # fmt: skip
     lin_batch = tuple(
-        dataclasses.replace(lv, batched=_lin_flags(lay, lv.batched, sb, keep))
+        dataclasses.replace(lv, batched=_lin_flags(loop, pert, plan, keep, lv.batched, sb))
         for lv, sb in zip(batch, _steps_flags(loop, batch), strict=True)
     )
-    t_out = lin_p.bind(*primals, *res_ops, *t_in, loop=loop, batch=lin_batch, pert=pert,
-                       plan=plan, keep=keep, use_ext=True)  # fmt: skip
-    n_tc = sum(pert.carry)
-    t_carry = fill(t_out[:n_tc], pert.carry)
-    t_ys = fill(t_out[n_tc:], pert.ys)
-    zeros = _zeros_for(base)
-    tangents_out = [z if t is None else t for t, z in zip(t_carry + t_ys, zeros, strict=False)]
-    return base, tangents_out + zeros[nc + ny :]
+    t_out = lin_p.bind(*lin.flat(), loop=loop, batch=lin_batch, pert=pert, plan=plan, keep=keep,
+                       use_ext=True)  # fmt: skip
+    base = dataclasses.replace(outs, stored=None)
+    return base.flat(), _tangents_out(loop, pert, base, Tangents.split(t_out, pert)).flat()
+
+
+def _tangents_out(loop: Loop, pert: Perturbed, base: LoopOutputs, t: Tangents) -> LoopOutputs:
+    """The tangents of the loop's outputs: ``t`` for the perturbed carry and ys leaves,
+    symbolic zeros elsewhere."""
+    zeros = LoopOutputs.split(_zeros_for(base.flat()), loop, False)
+    return LoopOutputs(merge(t.carry, take(zeros.carry, pert.carry, False), pert.carry),
+                       merge(t.ys, take(zeros.ys, pert.ys, False), pert.ys),
+                       zeros.steps, zeros.stats)  # fmt: skip
 
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -357,44 +358,46 @@ def _masked_jvp(loop: Loop, batch: Batch, primals, tangents):
     """The loop's jvp as the ``"masked"`` loop's (plain ``lax``: ``max_steps`` steps, every
     derivative of every order JAX's own), for a loop differentiated under an enclosing reverse
     mode: reverse over reverse. ``vmap`` levels already applied are mapped again here."""
-    nk, ncc, nc, nx = loop.n_consts, loop.n_cconsts, len(loop.carry_avals), len(loop.x_avals)
 
-    def one(*ops):
-        consts, cconsts = ops[:nk], ops[nk : nk + ncc]
-        init, xs = ops[nk + ncc : nk + ncc + nc], ops[nk + ncc + nc : nk + ncc + nc + nx]
-        kd = None if loop.keys is None else ops[-1]
-        carry, ys, steps, _ = _masked._run(loop, consts, cconsts, init, xs, ops[-2], kd)
-        return (*carry, *ys, steps)
+    def one(*flat):
+        ops = LoopOperands.split(flat, loop)
+        kd = None if loop.keys is None else ops.kd
+        carry, ys, steps, _ = _masked._run(loop, ops.consts, ops.cconsts, ops.init, ops.xs,
+                                           ops.n, kd)  # fmt: skip
+        return list(carry), list(ys), steps
 
     fn = one
     for level in batch:  # innermost first: its vmap is the innermost
         fn = jax.vmap(fn, in_axes=[0 if b else None for b in level.batched], axis_size=level.size)
     tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
-    outs, t_outs = jax.jvp(fn, tuple(primals), tangents)
-    outs, t_outs = list(outs), list(t_outs)
-    steps = outs[-1]
+    (carry, ys, steps), (t_carry, t_ys, _) = jax.jvp(fn, tuple(primals), tangents)
     if batch and not _steps_flags(loop, batch)[0]:
         steps = steps[..., 0]  # a depth shared by the innermost level's rows: one count
     rows = 1
     for level in batch:
         rows = rows * level.size
     stats = _batched.stats_of(jnp.asarray(loop.max_steps, jnp.int32), rows)
-    base = outs[:-1] + [steps, stats]
-    zeros = _zeros_for(base)
-    n_out = nc + len(loop.y_avals)
-    t_base = [t if jnp.issubdtype(t.dtype, jnp.inexact) else z
-              for t, z in zip(t_outs[:n_out], zeros[:n_out], strict=True)]  # fmt: skip
-    return base, t_base + zeros[n_out:]
+    base = LoopOutputs(carry, ys, steps, stats)
+    zeros = LoopOutputs.split(_zeros_for(base.flat()), loop, False)
+
+    def floats(ts, zs):  # an integer leaf's tangent is a symbolic zero
+        return [t if jnp.issubdtype(t.dtype, jnp.inexact) else z
+                for t, z in zip(ts, zs, strict=True)]  # fmt: skip
+
+    t_out = LoopOutputs(floats(t_carry, zeros.carry), floats(t_ys, zeros.ys), zeros.steps,
+                        zeros.stats)  # fmt: skip
+    return base.flat(), t_out.flat()
 
 
-def _lin_flags(lay: _LinLayout, loop_flags, steps_b: bool, keep: bool) -> tuple:
-    nk, ncc, nc = lay.loop.n_consts, lay.loop.n_cconsts, len(lay.loop.carry_avals)
-    nx = len(lay.loop.x_avals)
-    k, i, x = loop_flags[:nk], loop_flags[nk + ncc : nk + ncc + nc], \
-        loop_flags[nk + ncc + nc : nk + ncc + nc + nx]  # fmt: skip
-    res = ([steps_b] + [True] * (nc + 1) + [False] * lay.n_ext) if keep else []
-    return tuple([*loop_flags, *res, *take(k, lay.pert.consts), *take(i, lay.pert.carry),
-                  *take(x, lay.pert.xs)])  # fmt: skip
+def _lin_flags(loop: Loop, pert: Perturbed, plan, keep: bool, loop_flags, steps_b: bool) -> tuple:
+    """A level's batching flags for ``lin_p``'s operands, from ``loop_p``'s: the residuals
+    are batched like the forward pass's outputs (the stored-residual buffers never)."""
+    f = LoopOperands.split(loop_flags, loop)
+    nc = len(loop.carry_avals)
+    res = Residuals(steps_b, Stored([True] * nc, True, [False] * n_stored(plan))) if keep else None
+    lin = LinOperands(f, res, take(f.consts, pert.consts), take(f.init, pert.carry),
+                      take(f.xs, pert.xs))  # fmt: skip
+    return tuple(lin.flat())
 
 
 ad.primitive_jvps[loop_p] = _loop_jvp
@@ -405,17 +408,16 @@ ad.primitive_jvps[loop_p] = _loop_jvp
 
 def _lin_abstract_eval(*avals, loop, batch, pert, plan, keep, use_ext):
     """The tangents' types: those of the loop's carry and ys outputs (perturbed leaves)."""
-    lay = _LinLayout.of(loop, pert, plan, keep)
-    nres = lay.sizes()[6]
-    n_primal = len(avals) - nres - sum(pert.consts) - sum(pert.carry) - sum(pert.xs)
-    primal = tuple(avals[:n_primal])
-    fwd_batch = tuple(dataclasses.replace(lv, batched=lv.batched[:n_primal]) for lv in batch)
+
+    def primal(flat):
+        return tuple(LinOperands.split(flat, loop, pert, plan, keep).primal.flat())
+
+    fwd_batch = tuple(dataclasses.replace(lv, batched=primal(lv.batched)) for lv in batch)
     # The forward pass that made the residuals, as bound (its kernel is traced already).
     params = dict(loop=loop, batch=fwd_batch, store=keep, plan=plan, pert=pert if keep else None)
-    closed = _kernel_jaxpr("loop", params, primal)
-    nc, ny = len(loop.carry_avals), len(loop.y_avals)
-    outs = closed.out_avals
-    return take(outs[:nc], pert.carry) + take(outs[nc : nc + ny], pert.ys)
+    closed = _kernel_jaxpr("loop", params, primal(avals))
+    outs = LoopOutputs.split(closed.out_avals, loop, keep, n_stored(plan))
+    return Tangents(take(outs.carry, pert.carry), take(outs.ys, pert.ys)).flat()
 
 
 def _lin_impl(*ops, **params):
@@ -433,10 +435,7 @@ def _lin_batch(args, dims, *, loop, batch, pert, plan, keep, use_ext):
         outs = _one_at_a_time(lin_p, args, dims, params)
         return outs, [0] * len(outs)
     flags = tuple(d is not None for d in dims)
-    lay = _LinLayout.of(loop, pert, plan, keep)
-    sizes = lay.sizes()
-    stride_pos = sum(sizes[:6]) + 1 + len(loop.carry_avals)
-    if keep and flags[stride_pos]:
+    if keep and LinOperands.split(flags, loop, pert, plan, keep).res.stored.stride:
         use_ext = False  # the forward pass ran batched here: its residual buffers are empty
     level = Level(_size(args, dims), flags)
     args = [_move(x, d) for x, d in zip(args, dims, strict=True)]
@@ -460,36 +459,28 @@ ad.primitive_jvps[lin_p] = _lin_jvp
 def _lin_transpose(cts, *ops, loop, batch, pert, plan, keep, use_ext):
     if not keep:
         raise TypeError(_REVERSE_MSG)
-    lay = _LinLayout.of(loop, pert, plan, keep)
-    consts, cconsts, init, xs, n, kd, res, t_k, t_i, t_x = lay.split(ops)
-    del cconsts, init, n
-    nc = len(loop.carry_avals)
-    steps, buf, stride, ext = res[0], res[1 : 1 + nc], res[1 + nc], res[2 + nc :]
-    n_tc = sum(pert.carry)
-    cts = [ad.instantiate_zeros(c) for c in cts]
-    ct_c, ct_y = cts[:n_tc], cts[n_tc:]
-    bwd_ops = [*consts, *xs, kd, steps, *buf, stride, *ext, *ct_c, *ct_y]
-    bwd_batch = tuple(Level(lv.size, _bwd_flags(lay, lv.batched), reduce=True) for lv in batch)
-    out = bwd_p.bind(*bwd_ops, loop=loop, batch=bwd_batch, pert=pert, plan=plan,
+    lin = LinOperands.split(ops, loop, pert, plan, keep)
+    cts = Tangents.split([ad.instantiate_zeros(c) for c in cts], pert)
+    bwd = BwdOperands(lin.primal.consts, lin.primal.xs, lin.primal.kd, lin.res, cts.carry,
+                      cts.ys)  # fmt: skip
+    bwd_batch = tuple(
+        Level(lv.size, _bwd_flags(loop, pert, plan, lv.batched), reduce=True) for lv in batch
+    )
+    out = bwd_p.bind(*bwd.flat(), loop=loop, batch=bwd_batch, pert=pert, plan=plan,
                      use_ext=use_ext)  # fmt: skip
-    g_k, g_i, g_x = _split3(out, pert)
+    g = Cotangents.split(out, pert)
     # The tangents of init and xs are shaped like their primals: sum the cotangents over the
     # levels that did not batch them (the transpose of the broadcast to the rows).
-    flags = [lay.split(lv.batched) for lv in batch]
-    g_i = [_sum_unbatched(g, [f[8][j] for f in flags], batch) for j, g in enumerate(g_i)]
-    g_x = [_sum_unbatched(g, [f[9][j] for f in flags], batch) for j, g in enumerate(g_x)]
-    n_before = len(ops) - len(t_k) - len(t_i) - len(t_x)
-    grads = [None] * n_before + list(g_k) + list(g_i) + list(g_x)
-    out = [g if ad.is_undefined_primal(o) else None for o, g in zip(ops, grads, strict=True)]
+    flags = [LinOperands.split(lv.batched, loop, pert, plan, keep) for lv in batch]
+    g_i = [_sum_unbatched(c, [f.t_init[j] for f in flags], batch) for j, c in enumerate(g.init)]
+    g_x = [_sum_unbatched(c, [f.t_xs[j] for f in flags], batch) for j, c in enumerate(g.xs)]
+    blank = LinOperands.split([None] * len(ops), loop, pert, plan, keep)
+    grads = dataclasses.replace(blank, t_consts=g.consts, t_init=g_i, t_xs=g_x).flat()
+    out = [c if ad.is_undefined_primal(o) else None for o, c in zip(ops, grads, strict=True)]
     # Inside shard_map, the cotangent of a value replicated over a mesh axis is the sum of the
     # per-device cotangents, which the loops keep local (varying): one psum, after the loops.
     vmas = [_vma.aval_varying(o.aval) if ad.is_undefined_primal(o) else frozenset() for o in ops]
     return _vma.unvary_to(out, vmas)
-
-
-def _split3(out, pert: Perturbed):
-    a, b = sum(pert.consts), sum(pert.carry)
-    return out[:a], out[a : a + b], out[a + b :]
 
 
 def _sum_unbatched(g, batched_per_level, batch: Batch):
@@ -498,10 +489,13 @@ def _sum_unbatched(g, batched_per_level, batch: Batch):
     return g.sum(axes) if axes else g
 
 
-def _bwd_flags(lay: _LinLayout, lin_flags) -> tuple:
-    consts, _, _, xs, _, kd, res, _, _, _ = lay.split(lin_flags)
-    nt = sum(lay.pert.carry) + sum(lay.pert.ys)
-    return tuple([*consts, *xs, kd, *res, *([True] * nt)])
+def _bwd_flags(loop: Loop, pert: Perturbed, plan, lin_flags) -> tuple:
+    """A level's batching flags for ``bwd_p``'s operands, from ``lin_p``'s: the cotangents are
+    batched at every level."""
+    f = LinOperands.split(lin_flags, loop, pert, plan, keep=True)
+    bwd = BwdOperands(f.primal.consts, f.primal.xs, f.primal.kd, f.res, [True] * sum(pert.carry),
+                      [True] * sum(pert.ys))  # fmt: skip
+    return tuple(bwd.flat())
 
 
 ad.primitive_transposes[lin_p] = _lin_transpose
@@ -516,8 +510,7 @@ def _bwd_batch(args, dims, *, loop, batch, pert, plan, use_ext):
         outs = _one_at_a_time(bwd_p, args, dims, params)
         return outs, [0] * len(outs)
     flags = tuple(d is not None for d in dims)
-    nk, nx, nc = loop.n_consts, len(loop.x_avals), len(loop.carry_avals)
-    if flags[nk + nx + 2 + nc]:
+    if BwdOperands.split(flags, loop, pert, plan).res.stored.stride:
         use_ext = False  # the forward pass ran batched here: its residual buffers are empty
     level = Level(_size(args, dims), flags, reduce=False)
     args = [_move(x, d) for x, d in zip(args, dims, strict=True)]
@@ -588,7 +581,7 @@ ad.primitive_transposes[guard_p] = _guard_transpose
 def run(loop: Loop, consts, cconsts, init, xs, n, kd) -> tuple[list, list, Any, Any]:
     """Bind the loop: ``(carry, ys, steps, stats)``."""
     kd = jnp.zeros((), jnp.uint32) if kd is None else kd
-    outs = loop_p.bind(*consts, *cconsts, *init, *xs, n, kd, loop=loop, batch=(), store=False,
-                       plan=None, pert=None)  # fmt: skip
-    nc, ny = len(loop.carry_avals), len(loop.y_avals)
-    return outs[:nc], outs[nc : nc + ny], outs[nc + ny], outs[nc + ny + 1]
+    ops = LoopOperands(list(consts), list(cconsts), list(init), list(xs), n, kd)
+    outs = loop_p.bind(*ops.flat(), loop=loop, batch=(), store=False, plan=None, pert=None)
+    outs = LoopOutputs.split(outs, loop, store=False)
+    return outs.carry, outs.ys, outs.steps, outs.stats

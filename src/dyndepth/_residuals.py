@@ -6,7 +6,7 @@ pullback, so that the backward pass applies each pullback without running the st
 (a stacked operand's slice at the layer index included), the carry (stored anyway), the
 step's ``x`` and its key. :data:`RESIDUAL_BUDGET` bounds what is stored per step.
 
-Only the perturbed leaves (:class:`dyndepth._step.Perturbed`) are differentiated.
+Only the perturbed leaves (:class:`dyndepth._derivative.Perturbed`) are differentiated.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from . import _budget, _vma
+from ._derivative import Perturbed
 from ._leaves import merge, take
-from ._step import Loop, Perturbed, step_consts
+from ._step import Loop, step_consts
 
 # A step's stored residuals may take at most this many times the carry's bytes; beyond it the
 # loop stores the carry alone and the backward pass recomputes the step.

@@ -35,8 +35,9 @@ import jax.numpy as jnp
 
 from . import _cost, _vma
 from ._batched import const_accumulators, rows_vjp, stats_of, store_state
+from ._derivative import Perturbed
 from ._leaves import where_rows
-from ._step import Loop, Perturbed
+from ._step import Loop
 
 # Each slot count is one compiled copy of the step (forward and backward), so the ladders are
 # short: at most MAX_COUNTS counts. The time rule's ladder is ``B``, ``B / 2``, ``B / 4``, ``B / 8``
@@ -386,7 +387,6 @@ def forward_refill(loop: Loop, consts, c_axes, cconsts, cc_axes, init, xs, n, kd
     moment its sample stops."""
     B = n.shape[0]
     S = max(1, min(slots, B))
-    T = loop.max_steps
     vstep = loop.vstep(c_axes, S)
     has = n > 0
     if loop.cond_jaxpr is not None:
@@ -400,24 +400,7 @@ def forward_refill(loop: Loop, consts, c_axes, cconsts, cc_axes, init, xs, n, kd
             act = loop.vcond(cc_axes, S)(_per_slot(cconsts, cc_axes, s_idx), carry)
         return act
 
-    s_idx = order[:S]
-    state = dict(
-        s_idx=s_idx,
-        s_i=jnp.zeros((S,), jnp.int32),
-        s_live=jnp.arange(S) < num_work,
-        s_c=[_rows(c, s_idx) for c in init],
-        ptr=jnp.asarray(S, jnp.int32),
-        iters=jnp.zeros((), jnp.int32),
-        out=list(init),
-        steps=jnp.zeros((B,), jnp.int32),
-        ys=[_vma.zeros((B, T), a) for a in loop.y_avals],
-    )
-    if store:
-        K = loop.slots_stored
-        buf = [_vma.zeros((B, K), a) for a in loop.carry_avals]
-        state["buf"] = [b.at[:, 0].set(c) for b, c in zip(buf, init, strict=True)]
-        state["count"] = jnp.zeros((B,), jnp.int32)
-        state["stride"] = jnp.ones((B,), jnp.int32)
+    state = _refill_state(loop, init, order, num_work, S, store)
 
     def body(s):
         s = dict(s)
@@ -448,6 +431,31 @@ def forward_refill(loop: Loop, consts, c_axes, cconsts, cc_axes, init, xs, n, kd
     out = _vma.while_loop(lambda s: jnp.any(s["s_live"]), body, state)
     res = (out["buf"], out["stride"]) if store else None
     return out["out"], out["ys"], out["steps"], res, stats_of(out["iters"], S)
+
+
+def _refill_state(loop: Loop, init, order, num_work, S: int, store: bool) -> dict:
+    """The state of :func:`forward_refill`'s loop before its first iteration: the first ``S``
+    samples of ``order`` in the slots (those with work live), the per-sample outputs empty."""
+    B, T = order.shape[0], loop.max_steps
+    s_idx = order[:S]
+    state = dict(
+        s_idx=s_idx,
+        s_i=jnp.zeros((S,), jnp.int32),
+        s_live=jnp.arange(S) < num_work,
+        s_c=[_rows(c, s_idx) for c in init],
+        ptr=jnp.asarray(S, jnp.int32),
+        iters=jnp.zeros((), jnp.int32),
+        out=list(init),
+        steps=jnp.zeros((B,), jnp.int32),
+        ys=[_vma.zeros((B, T), a) for a in loop.y_avals],
+    )
+    if store:
+        K = loop.slots_stored
+        buf = [_vma.zeros((B, K), a) for a in loop.carry_avals]
+        state["buf"] = [b.at[:, 0].set(c) for b, c in zip(buf, init, strict=True)]
+        state["count"] = jnp.zeros((B,), jnp.int32)
+        state["stride"] = jnp.ones((B,), jnp.int32)
+    return state
 
 
 def _store_scheduled(loop, s, idx, i, live, carry):

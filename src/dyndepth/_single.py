@@ -12,9 +12,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from . import _batched, _vma
+from ._derivative import Perturbed
 from ._leaves import at_index, expand, put_index, squeeze, take
 from ._residuals import ResidualPlan, pullback_of, step_vjp, stored_leaves
-from ._step import Loop, Perturbed, step_consts
+from ._step import Loop, step_consts
 
 
 def forward(loop: Loop, consts, cconsts, init, xs, n, kd, *, store: bool,

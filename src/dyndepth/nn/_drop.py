@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._loop import scan_stacked
-from .._types import Strategy
+from .._layers import Strategy, scan_stacked
 from . import _validate as v
 
 __all__ = ["drop_path", "layer_drop", "stochastic_residual"]
@@ -247,6 +246,22 @@ def _layer_count(stacked_params: Any) -> int:
     return next(iter(sizes))
 
 
+def _kept_layers(key: Any, rates: jax.Array, mode: str, shape: tuple) -> tuple:
+    """The drop decisions: ``(keep, count, idx)``, ``keep`` per layer (``"batch"``) or per layer
+    and row (``"row"``, shape ``(L, B)``), and the ``count`` layers that run (kept by at least
+    one row) at the front of ``idx``, in order."""
+    L = rates.shape[0]
+    if mode == "batch":
+        keep = jax.random.bernoulli(key, 1.0 - rates)
+        run = keep
+    else:
+        keep = jax.random.bernoulli(key, 1.0 - rates[:, None], (L, shape[0]))
+        run = jnp.any(keep, axis=1)
+    count = jnp.sum(run.astype(jnp.int32))
+    idx = jnp.nonzero(run, size=L, fill_value=0)[0]
+    return keep, count, idx
+
+
 def layer_drop(
     layer_fn: Callable[[Any, jax.Array], jax.Array],
     stacked_params: Any,
@@ -353,15 +368,7 @@ def layer_drop(
         )
     v.key_arg(key)
     rates = jnp.broadcast_to(jnp.asarray(rate, jnp.float32), (L,))
-    if mode == "batch":
-        keep = jax.random.bernoulli(key, 1.0 - rates)
-        run = keep
-    else:
-        B = shape[0]
-        keep = jax.random.bernoulli(key, 1.0 - rates[:, None], (L, B))
-        run = jnp.any(keep, axis=1)
-    count = jnp.sum(run.astype(jnp.int32))
-    idx = jnp.nonzero(run, size=L, fill_value=0)[0]
+    keep, count, idx = _kept_layers(key, rates, mode, shape)
     # The layer's parameters, rate and row decisions are all sliced at the layer index by the
     # loop: under vmap with per-sample keys only the running slots' slices are gathered, never
     # a copy of the stack; unbatched, the backward pass references the slice instead of

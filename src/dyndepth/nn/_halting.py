@@ -10,9 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .. import _vma
-from .._loop import while_loop
-from .._types import Strategy
+from .._layers import Strategy, while_loop, zeros
 from . import _validate as v
 
 __all__ = ["HaltingResult", "halting", "ponder_loss"]
@@ -128,6 +126,42 @@ def halting(
     normalize = v.bool_arg(normalize, "normalize")
     v.strategy_arg(strategy)
     state = jax.tree_util.tree_map(jnp.asarray, state)
+    lam_shape, y_shape = _step_output_types(step_fn, state, key, halt)
+
+    # typed like the step's outputs (an Explicit mesh's sharding included), so they can be
+    # written into the buffers
+    outputs0 = jax.tree_util.tree_map(lambda a: zeros((max_steps,), a), y_shape)
+    carry0 = dict(
+        state=state,
+        t=jnp.zeros((), jnp.int32),
+        rest=jnp.ones((), jnp.float32),
+        p=zeros((max_steps,), lam_shape).astype(jnp.float32),
+        outputs=outputs0,
+    )
+
+    def cond(c):
+        return (1.0 - c["rest"]) < threshold
+
+    final = while_loop(
+        cond,
+        _halting_step(step_fn, kind, halt),
+        carry0,
+        max_steps=max_steps,
+        key=key,
+        strategy=strategy,
+        checkpoints=checkpoints,
+        slots=slots,
+    )
+    steps = final["t"]
+    p = final["p"]
+    if normalize:
+        last = jnp.arange(max_steps) == steps - 1
+        p = p + jnp.where(last, final["rest"], 0.0)
+    return HaltingResult(final["state"], final["outputs"], p, steps)
+
+
+def _step_output_types(step_fn: Callable, state: Any, key: Any, halt: str) -> tuple[Any, Any]:
+    """The types of ``step_fn``'s halting value and output ``y``, its outputs checked."""
     if key is not None:
         v.key_arg(key)
         out = jax.eval_shape(step_fn, state, jax.random.fold_in(key, 0))
@@ -155,20 +189,12 @@ def halting(
             f"{'logit' if halt == 'logit' else 'probability'} as its second output, got {got}; "
             "under vmap, write step_fn for one sample"
         )
+    return lam_shape, y_shape
 
-    # typed like the step's outputs (an Explicit mesh's sharding included), so they can be
-    # written into the buffers
-    outputs0 = jax.tree_util.tree_map(lambda a: _vma.zeros((max_steps,), a), y_shape)
-    carry0 = dict(
-        state=state,
-        t=jnp.zeros((), jnp.int32),
-        rest=jnp.ones((), jnp.float32),
-        p=_vma.zeros((max_steps,), lam_shape).astype(jnp.float32),
-        outputs=outputs0,
-    )
 
-    def cond(c):
-        return (1.0 - c["rest"]) < threshold
+def _halting_step(step_fn: Callable, kind: str, halt: str) -> Callable:
+    """One step of :func:`halting` on its carry: the user's step, its halting probability
+    ``p_t`` and output written at step ``t``, the probability left to halt updated."""
 
     def body(c, kk=None):
         s, lam, y = step_fn(c["state"]) if kk is None else step_fn(c["state"], kk)
@@ -193,22 +219,7 @@ def halting(
             outputs=outputs,
         )
 
-    final = while_loop(
-        cond,
-        body,
-        carry0,
-        max_steps=max_steps,
-        key=key,
-        strategy=strategy,
-        checkpoints=checkpoints,
-        slots=slots,
-    )
-    steps = final["t"]
-    p = final["p"]
-    if normalize:
-        last = jnp.arange(max_steps) == steps - 1
-        p = p + jnp.where(last, final["rest"], 0.0)
-    return HaltingResult(final["state"], final["outputs"], p, steps)
+    return body
 
 
 def ponder_loss(

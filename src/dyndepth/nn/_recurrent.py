@@ -10,31 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .. import _vma
-from .._keys import KeySchedule
-from .._loop import repeat, scan
-from .._step import closure_convert
-from .._types import Strategy
+from .._layers import KeySchedule, Strategy, repeat, scan, stopped
 from . import _validate as v
 
 __all__ = ["recurrent_depth"]
-
-
-def _stopped(fn: Callable, *example_args: Any) -> Callable:
-    """``fn`` with every value it closes over (outer tracers included) behind ``stop_gradient``.
-
-    Inside ``shard_map`` it is traced for arguments varying over the axes ``example_args`` vary
-    over, and evaluated for whatever types the loop's state has then."""
-    with _vma.loop_state_axes(_vma.state_axes_of(example_args)):
-        jaxpr, consts, out_shape = closure_convert(fn, *example_args)
-    consts = [lax.stop_gradient(c) for c in consts]
-    out_tree = jax.tree_util.tree_structure(out_shape)
-
-    def call(*args):
-        out = _vma.eval_jaxpr(jaxpr.jaxpr, [], *consts, *jax.tree_util.tree_leaves(args))
-        return jax.tree_util.tree_unflatten(out_tree, out)
-
-    return call
 
 
 def recurrent_depth(
@@ -137,21 +116,24 @@ def recurrent_depth(
     def call(i, s, x, *kk):  # the user's core, given the iteration's index if it asks for it
         return core(i, s, x, *kk) if with_index else core(s, x, *kk)
 
-    i_example = np.zeros((), np.int32)  # concrete, also under jit
     if key is not None:
         v.key_arg(key)
-        key_example = jax.random.fold_in(key, 0)
-        out_shape = jax.eval_shape(call, i_example, state, x, key_example)
-    else:
-        key_example = None
-        out_shape = jax.eval_shape(call, i_example, state, x)
-    v.same_structure(state, out_shape, "core", "state")
+    s_n = _without_gradient(call, state, x, n, key, max_n, strategy, with_index)
+    out = readout if readout is not None else (lambda s: s)
+    s_out, ys = _with_gradient(call, s_n, x, n, k, key, out if return_all else None, max_k,
+                               strategy, checkpoints)  # fmt: skip
+    return (s_out, ys) if return_all else s_out
 
-    # Phase 1: n iterations, nothing differentiated.
-    if key is None:
-        frozen = _stopped(lambda i, s, x: call(i, s, x), i_example, state, x)
-    else:
-        frozen = _stopped(lambda i, s, x, kk: call(i, s, x, kk), i_example, state, x, key_example)
+
+def _without_gradient(call: Callable, state: Any, x: Any, n: Any, key: Any, max_n: int,
+                      strategy: str, with_index: bool) -> Any:  # fmt: skip
+    """Phase 1: ``n`` iterations, nothing differentiated (the state itself if ``n == 0``)."""
+    i_example = np.zeros((), np.int32)  # concrete, also under jit
+    key_example = None if key is None else jax.random.fold_in(key, 0)
+    kk_example = [] if key is None else [key_example]
+    out_shape = jax.eval_shape(call, i_example, state, x, *kk_example)
+    v.same_structure(state, out_shape, "core", "state")
+    frozen = stopped(call, i_example, state, x, *kk_example)
     x_stopped = lax.stop_gradient(x)
     if with_index:
 
@@ -171,9 +153,14 @@ def recurrent_depth(
         strategy="auto" if strategy == "auto" else "while",
         with_index=with_index,
     )
-    s_n = jax.tree_util.tree_map(lambda a, b: jnp.where(n == 0, a, b), state, s_n)
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(n == 0, a, b), state, s_n)
 
-    # Phase 2: k iterations with gradient; iteration n + j gets step_key(key, n + j).
+
+def _with_gradient(call: Callable, s_n: Any, x: Any, n: Any, k: Any, key: Any,
+                   readout: Callable | None, max_k: int, strategy: str,
+                   checkpoints: int | None) -> tuple[Any, Any]:  # fmt: skip
+    """Phase 2: ``k`` iterations with gradient; iteration ``n + j`` gets ``step_key(key, n +
+    j)``. Returns the final state and the stacked ``readout`` of each (None without one)."""
     if key is not None:
         keys = KeySchedule.of(key)
         key_data = keys.data(key)
@@ -184,16 +171,10 @@ def recurrent_depth(
             s = call(i, s, x)
         else:
             s = call(i, s, x, keys.key_at(key_data, i))
-        y = (readout(s) if readout is not None else s) if return_all else None
+        y = readout(s) if readout is not None else None
         return (s, i + 1), y
 
     (s_out, _), ys = scan(
-        f2,
-        (s_n, n),
-        None,
-        depth=k,
-        length=max_k,
-        strategy=strategy,
-        checkpoints=checkpoints,
+        f2, (s_n, n), None, depth=k, length=max_k, strategy=strategy, checkpoints=checkpoints
     )
-    return (s_out, ys) if return_all else s_out
+    return s_out, ys

@@ -13,15 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _checks, _keys
+from .. import _layers
 
-callable_arg = _checks.callable_arg
-static_int = _checks.static_nonneg_int
-key_arg = _keys.check_key
-count_arg = _checks.count_arg
-strategy_arg = _checks.strategy_arg
-same_structure = _checks.same_structure
-bool_arg = _checks.bool_arg
+callable_arg = _layers.callable_arg
+static_int = _layers.static_nonneg_int
+key_arg = _layers.check_key
+count_arg = _layers.count_arg
+strategy_arg = _layers.strategy_arg
+same_structure = _layers.same_structure
+bool_arg = _layers.bool_arg
 
 
 def is_concrete(x: Any) -> bool:

@@ -9,6 +9,10 @@ structure (:class:`dyndepth._dispatch.Level`, what ``vmap`` added) as parameters
   (the forward sweep of the jvp'd step: forward mode); its transpose is ``bwd_p``.
 * ``bwd_p``: the reverse sweep.
 
+Their operands and outputs travel as flat lists in the order :mod:`dyndepth._operands` names;
+every rule reads them (and a batch level's flags) through those layouts. Each primitive's rules
+are registered in one block at the end of its section.
+
 A primitive keeps the order in which transformations were applied, which a ``custom_vjp``
 loses. Under ``grad(vmap(f))`` the batching rule runs first and the JVP rule then sees the
 batched loop: its backward pass sums a shared parameter's gradient over the batch inside the
@@ -120,30 +124,48 @@ def _kernel_jaxpr(kind: str, params: dict, avals: tuple, partitioned: bool = Fal
            jax.sharding.get_abstract_mesh(), partitioned)  # fmt: skip
     hit = table.get(key)
     if hit is None:
-        axes = _state_axes(params["loop"], avals)
+        axes = _state_axes(kind, params, avals)
         with _per_device.partitioning(partitioned), _vma.loop_state_axes(axes):
             hit = jax.make_jaxpr(functools.partial(_KERNEL_FNS[kind], **params))(*avals)
         table[key] = hit
     return hit
 
 
-def _state_axes(loop: Loop, avals: tuple) -> tuple[str, ...]:
+def _state_axes(kind: str, params: dict, avals: tuple) -> _vma.StateAxes:
     """The manual axes a kernel's loop state varies over: those of its operands but the consts
     (its first ``loop.n_consts``), and of the step's carry, xs and key (the inputs after its
-    consts) and outputs and the stop predicate's inputs, as traced.
+    consts) and outputs and the stop predicate's inputs, as traced. A const's axes count only
+    through the step's outputs: a weight split over ``model`` whose products the step sums over
+    ``model`` (``lax.psum``) leaves the state replicated over ``model``.
 
-    A const's axes count only through the step's outputs (where the step makes the state vary
-    over them): a weight split over ``model`` whose products the step sums over ``model``
-    (``lax.psum``) leaves the state replicated over ``model``, and the backward loop's
-    cotangents with it; typing the state as varying over ``model`` would make them disagree
-    with the carry's cotangents, and casting those would count them once per ``model`` device.
-    The axes the number of steps varies over (the depths', the predicate's, the backward
-    pass's ``steps``) are operands or predicate inputs: always included."""
-    nk = loop.n_consts
+    With them (:attr:`dyndepth._vma.StateAxes.local`), the axes a const's cotangent is kept
+    local over inside the loop: those the number of steps varies over (the depth's, with a
+    stop predicate its consts' and the carry's; in a backward pass the forward pass's
+    ``steps``), and those every carry leaf varies over (the batch's: the weights' gradient is
+    then summed over them once, after the loop). Not an axis some carry leaf is replicated over
+    (a ``model`` axis its step sums over): the const's contribution to that leaf would vary
+    over it unlike the leaf's cotangent, and casting the cotangent would count it once per
+    device of that axis."""
+    loop = params["loop"]
+    nk, nc = loop.n_consts, len(loop.carry_avals)
     traced = [loop.step_jaxpr.in_avals[nk:], loop.step_jaxpr.out_avals]
     if loop.cond_jaxpr is not None:
         traced.append(loop.cond_jaxpr.in_avals)
-    return _vma.state_axes_of([list(avals[nk:]), traced])
+    axes = _vma.state_axes_of([list(avals[nk:]), traced])
+    outs = loop.step_jaxpr.out_avals[:nc]
+    if kind == "bwd":
+        bwd = BwdOperands.split(avals, loop, params["pert"], params["plan"])
+        uneven, leaves = [bwd.res.steps], [[b] for b in bwd.res.stored.buf]
+    else:
+        ops = LoopOperands.split(avals, loop)
+        uneven = [ops.n]
+        if loop.cond_jaxpr is not None:
+            uneven += [ops.cconsts, ops.init, loop.cond_jaxpr.in_avals, outs]
+        leaves = [[i, o] for i, o in zip(ops.init, outs, strict=True)]
+    local = set(_vma.state_axes_of(uneven))
+    if leaves:
+        local |= set.intersection(*(set(_vma.state_axes_of(leaf)) for leaf in leaves))
+    return _vma.StateAxes(axes, local)
 
 
 def _effects(loop: Loop) -> bool:
@@ -188,11 +210,6 @@ def _eager(prim: Primitive, kernel):
         return jitted(tuple(sorted(params.items())))(*ops)
 
     return impl
-
-
-_register(loop_p, "loop")
-_register(bwd_p, "bwd")
-_per_device.needs_devices_when_lowered(loop_p, bwd_p)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -270,9 +287,6 @@ def _loop_batch(args, dims, *, loop, batch, store, plan, pert):
     stored = Stored([0] * nc, 0, [None] * n_stored(plan)) if store else None
     out_dims = LoopOutputs([0] * nc, [0] * ny, 0 if steps_b else None, None, stored)
     return outs, out_dims.flat()
-
-
-batching.primitive_batchers[loop_p] = _loop_batch
 
 
 def _zeros_for(outs):
@@ -400,6 +414,8 @@ def _lin_flags(loop: Loop, pert: Perturbed, plan, keep: bool, loop_flags, steps_
     return tuple(lin.flat())
 
 
+_register(loop_p, "loop")
+batching.primitive_batchers[loop_p] = _loop_batch
 ad.primitive_jvps[loop_p] = _loop_jvp
 
 
@@ -424,11 +440,6 @@ def _lin_impl(*ops, **params):
     return _tangent_kernel(*ops, **params)
 
 
-lin_p.def_abstract_eval(_lin_abstract_eval)
-lin_p.def_impl(_eager(lin_p, _tangent_kernel))
-mlir.register_lowering(lin_p, mlir.lower_fun(_lin_impl, multiple_results=True))
-
-
 def _lin_batch(args, dims, *, loop, batch, pert, plan, keep, use_ext):
     if not _per_sample_draws(loop):
         params = dict(loop=loop, batch=batch, pert=pert, plan=plan, keep=keep, use_ext=use_ext)
@@ -444,16 +455,10 @@ def _lin_batch(args, dims, *, loop, batch, pert, plan, keep, use_ext):
     return outs, [0] * len(outs)
 
 
-batching.primitive_batchers[lin_p] = _lin_batch
-
-
 def _lin_jvp(primals, tangents, **params):
     # The tangent loop is itself a loop primitive: its derivatives go through loop_p's rules.
     tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
     return jax.jvp(lambda *ops: _tangent_kernel(*ops, **params), tuple(primals), tangents)
-
-
-ad.primitive_jvps[lin_p] = _lin_jvp
 
 
 def _lin_transpose(cts, *ops, loop, batch, pert, plan, keep, use_ext):
@@ -498,6 +503,11 @@ def _bwd_flags(loop: Loop, pert: Perturbed, plan, lin_flags) -> tuple:
     return tuple(bwd.flat())
 
 
+lin_p.def_abstract_eval(_lin_abstract_eval)
+lin_p.def_impl(_eager(lin_p, _tangent_kernel))
+mlir.register_lowering(lin_p, mlir.lower_fun(_lin_impl, multiple_results=True))
+batching.primitive_batchers[lin_p] = _lin_batch
+ad.primitive_jvps[lin_p] = _lin_jvp
 ad.primitive_transposes[lin_p] = _lin_transpose
 
 
@@ -519,14 +529,14 @@ def _bwd_batch(args, dims, *, loop, batch, pert, plan, use_ext):
     return outs, [0] * len(outs)
 
 
-batching.primitive_batchers[bwd_p] = _bwd_batch
-
-
 def _bwd_jvp(primals, tangents, **params):
     return _kernel_jvp(_backward_kernel, params, primals, tangents)
 
 
+_register(bwd_p, "bwd")
+batching.primitive_batchers[bwd_p] = _bwd_batch
 ad.primitive_jvps[bwd_p] = _bwd_jvp
+_per_device.needs_devices_when_lowered(loop_p, bwd_p)
 
 
 # ----------------------------------------------------------------------------- no reverse
@@ -558,6 +568,10 @@ def _kernel_jvp(kernel, params, primals, tangents):
                   for i, (t, o) in enumerate(zip(t_outs, outs, strict=True))]  # fmt: skip
 
 
+def _guard_transpose(cts, *args):
+    raise TypeError(_SECOND_ORDER_MSG)
+
+
 guard_p.def_impl(lambda *xs: list(xs))
 guard_p.def_abstract_eval(lambda *avals: list(avals))
 mlir.register_lowering(guard_p, mlir.lower_fun(lambda *xs: list(xs), multiple_results=True))
@@ -566,11 +580,6 @@ ad.primitive_jvps[guard_p] = lambda primals, tangents: (
     guard_p.bind(*primals),
     guard_p.bind(*[ad.instantiate_zeros(t) for t in tangents]),
 )
-
-
-def _guard_transpose(cts, *args):
-    raise TypeError(_SECOND_ORDER_MSG)
-
 
 ad.primitive_transposes[guard_p] = _guard_transpose
 

@@ -8,11 +8,15 @@ then evaluate it on the test puzzles three ways:
 
 - the fixed maximum: every puzzle runs ``max_steps`` outer steps (a batched ``lax.fori_loop``);
 - per-puzzle halting in one batch: ``dyndepth.while_loop`` under ``vmap``, the library's
-  continuous batching (a slot takes the next puzzle the moment its puzzle halts);
+  continuous batching in ``eval_slots`` slots (a slot takes the next puzzle the moment its
+  puzzle halts); beside it, as a control, the fixed maximum run ``eval_slots`` puzzles at a
+  time (the same working set, no halting);
 - ``jax.vmap(lax.while_loop)`` with the same rule (the batch runs until its slowest halts).
 
 The halting rule (``halt_rule``): ``"valid"`` stops a puzzle once its answer obeys the rules
 (every digit once per row, column and box; with the givens kept, that is the unique solution);
+``"stalled"`` also stops it once its count of conflicts (repeated digits in a row, column or
+box) has not reached a new low for ``stall_steps`` outer steps (a puzzle that is stuck);
 ``"head"`` once the learned halting head says the answer is final (``q > 0``); ``"both"`` when
 both hold. Output: a progress bar, tables, ``sudoku_steps.png``, ``sudoku_accuracy.png``,
 ``results.json`` (and ``--json FILE``), a checkpoint and the cached puzzles in the folder.
@@ -757,7 +761,8 @@ def add_arguments(p):
         choices=["valid", "stalled", "head", "both"],
         default=None,
         help="(--task sudoku) when a puzzle stops: its answer obeys the rules (valid, default), "
-        "the halting head says it is final (head), or both",
+        "that or its conflicts reach no new low for 6 steps (stalled), the halting head says it "
+        "is final (head), or both",
     )
     p.add_argument(
         "--json", default=None, metavar="FILE", help="(--task sudoku) also write results here"

@@ -16,8 +16,9 @@ digit, so the network treats the digits alike (relabelling them relabels its ans
 Training uses deep supervision (TRM): a carried batch of puzzles, one outer step per optimizer
 step, the carry ``(z, y)`` detached between steps; the loss is the cross-entropy on the empty
 cells plus the binary cross-entropy of ``q`` against "the answer is fully right". A puzzle
-leaves the batch (and a new one takes its row) once ``q > 0`` or after ``max_steps`` outer
-steps. Gradients flow through the last cycle of each outer step only, as in TRM.
+leaves the batch (and a new one takes its row) once it is solved (or, with TRM's rule, once
+``q > 0``) or after ``max_steps`` outer steps. Gradients flow through the last cycle of each
+outer step only, as in TRM.
 """
 
 from __future__ import annotations

@@ -10,8 +10,10 @@ distinct puzzles than a run sees.
 **Deep supervision** (TRM): the batch of ``cfg.batch`` puzzles is carried from one optimizer
 step to the next with its latent state ``(z, y)`` detached; each step runs one outer step of
 :func:`~dyndepth._app.sudoku_model.outer_step` with gradient through its last cycle and
-updates the parameters. A puzzle whose halting logit is positive, or that has had
-``cfg.max_steps`` outer steps, is replaced by a new one at the next step.
+updates the parameters. A puzzle that is solved (``cfg.train_halt="solved"``; with
+``"head"``, TRM's rule: whose halting logit is positive), or that has had ``cfg.max_steps``
+outer steps, is replaced by a new one at the next step: the batch's rows go to the puzzles that
+still have something to learn.
 """
 
 from __future__ import annotations

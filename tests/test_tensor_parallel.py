@@ -6,7 +6,9 @@ per-sample depths split over ``data``.
 The gradient used to fail to trace where a loop's const is not a weight (the input a
 ``nn.recurrent_depth`` core closes over, differentiated): the loop state was typed as varying
 over every manual axis any operand varies over (``model`` through the weights), so the step's
-new carry varied over ``model`` while its cotangent did not. Values and gradients (``grad``
+new carry varied over ``model`` while its cotangent did not. A carry with one part split over
+``model`` (the step's hidden units) and one replicated failed the same way: a const's cotangent
+is now kept local over the axes the number of steps varies over only. Values and gradients (``grad``
 of the batch's loss and per-sample ``vmap(grad)``) must equal the same computation on one
 device; the compiled program must gather no weight and run no collective inside a loop but
 over a ``model`` pair (the two ``model`` devices of a ``data`` shard run the same trip count).
@@ -49,6 +51,10 @@ SCRIPT = LOOP_HLO + textwrap.dedent(
     def mlp(W1, W2, red):
         return lambda c: c + red(jnp.tanh(c @ W1) @ W2)
 
+    def split_step(W1, W2, x, red, a, b):
+        a = jnp.tanh(b @ W1) + 0.5 * a  # varies over model
+        return a, b + red(a @ W2) / 4 + 0.1 * x
+
     # one sample: (W1, W2, x, d, seq, red) -> its output; red sums over model (or not)
     ONE = {
         "repeat": lambda W1, W2, x, d, s, red: dd.repeat(mlp(W1, W2, red), x, d, max_depth=T),
@@ -57,6 +63,10 @@ SCRIPT = LOOP_HLO + textwrap.dedent(
         # the step closes over the sample's input: a const of the loop, differentiated
         "repeat_closing_over_x": lambda W1, W2, x, d, s, red: dd.repeat(
             lambda c: mlp(W1, W2, red)(c) + 0.5 * x, x, d, max_depth=T),
+        # a carry part split over model (this device's hidden units) next to a replicated one
+        "repeat_split_carry": lambda W1, W2, x, d, s, red: dd.repeat(
+            lambda c: split_step(W1, W2, x, red, *c), (jnp.zeros(W1.shape[1]), x), d,
+            max_depth=T)[1],
         "while_loop": lambda W1, W2, x, d, s, red: dd.while_loop(
             lambda c: jnp.sum(c ** 2) < 4.0, mlp(W1, W2, red), 0.3 * x, max_steps=T),
         "scan": lambda W1, W2, x, d, s, red: dd.scan(
@@ -82,7 +92,9 @@ SCRIPT = LOOP_HLO + textwrap.dedent(
         found = []
         for _, comp in loop_computations(hlo):
             for line in comp.splitlines():
-                if re.search(r"all-reduce|all-gather|collective-permute|all-to-all", line):
+                # an instruction of that op (not an operand named after one)
+                if re.search(r"\\b(all-reduce|all-gather|collective-permute|all-to-all)"
+                             r"(-start)?\\(", line):
                     found.append(replica_groups(line))
         return found
 
@@ -140,7 +152,8 @@ MODEL_PAIRS = ("{{0,1},{2,3},{4,5},{6,7}}", "[4,2]<=[8]")
 
 def test_megatron_step_in_full_manual_shard_map_values_and_gradients():
     out = _run(SCRIPT)
-    names = ["repeat", "repeat_shared_depth", "repeat_closing_over_x", "while_loop", "scan",
+    names = ["repeat", "repeat_shared_depth", "repeat_closing_over_x", "repeat_split_carry",
+             "while_loop", "scan",
              "recurrent_depth", "recurrent_depth_shared_depth", "repeat_batched"]  # fmt: skip
     assert sorted(out) == sorted(names), out
     for name, rec in out.items():

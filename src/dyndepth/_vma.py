@@ -49,6 +49,20 @@ _STATE_AXES: contextvars.ContextVar[tuple[tuple[str, ...], tuple[str, ...]] | No
 )
 
 
+class StateAxes(tuple):
+    """A loop's state axes (a tuple of manual axis names), with ``local``: those among them
+    that a const's (or per-step input's) cotangent stays local over inside the loop
+    (:func:`vary`): the axes its number of steps varies over, and those every carry leaf
+    varies over."""
+
+    local: tuple[str, ...]
+
+    def __new__(cls, axes: Any, local: Any) -> StateAxes:
+        self = super().__new__(cls, tuple(axes))
+        self.local = tuple(a for a in self if a in set(local))
+        return self
+
+
 def state_axes() -> tuple[str, ...]:
     """The manual axes a loop's state varies over: those set by :func:`loop_state_axes` for the
     loop being traced, else every manual axis."""
@@ -56,7 +70,17 @@ def state_axes() -> tuple[str, ...]:
     chosen = _STATE_AXES.get()
     if chosen is None or chosen[0] != axes:
         return axes
-    return chosen[1]
+    return tuple(chosen[1])
+
+
+def local_axes() -> tuple[str, ...]:
+    """The manual axes over which a const's cotangent stays local inside the loop being traced
+    (:class:`StateAxes`; the state axes when none were set)."""
+    axes = manual_axes()
+    chosen = _STATE_AXES.get()
+    if chosen is None or chosen[0] != axes:
+        return axes
+    return getattr(chosen[1], "local", tuple(chosen[1]))
 
 
 def state_axes_of(leaves: Any) -> tuple[str, ...]:
@@ -77,7 +101,8 @@ def _leaf_varying(x: Any) -> frozenset:
 @contextlib.contextmanager
 def loop_state_axes(axes: tuple[str, ...]):
     """Trace a loop whose state varies over ``axes`` (see the module docstring)."""
-    token = _STATE_AXES.set((manual_axes(), tuple(axes)))
+    kept = axes if isinstance(axes, StateAxes) else tuple(axes)
+    token = _STATE_AXES.set((manual_axes(), kept))
     try:
         yield
     finally:
@@ -90,8 +115,14 @@ def varying(x: Any) -> frozenset:
 
 
 def vary(tree: Any, axes: tuple[str, ...] | None = None) -> Any:
-    """Mark every leaf of ``tree`` as varying over ``axes`` (default: the state axes)."""
-    axes = state_axes() if axes is None else axes
+    """Mark every leaf of ``tree`` as varying over ``axes``; by default over the loop's
+    :func:`local_axes`. A const or per-step input made so before a step's vjp keeps its
+    cotangent local over them, summed once after the loop: over the axes the number of steps
+    varies over, a sum inside the loop would be a collective the devices that stop early never
+    join. Over an axis some carry leaf does not vary over it would make that leaf's new value
+    vary unlike its cotangent (a weight split over ``model`` whose products the step sums over
+    ``model`` leaves such a leaf replicated over ``model``)."""
+    axes = local_axes() if axes is None else axes
     if not axes:
         return tree
 

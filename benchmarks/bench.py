@@ -3,7 +3,7 @@
 python benchmarks/bench.py [WORKLOAD ...] [--quick] [--repeats 5] [--json FILE]
 """
 
-from dyndepth._app.bench import main
+from dyndepth_app.bench import main
 
 if __name__ == "__main__":
     main()

@@ -45,8 +45,8 @@ from jax import lax
 
 import dyndepth as dd
 from dyndepth import _cost as dd_cost
-from dyndepth._app.bench import time_in_rounds
 from dyndepth._schedule import SlotRule
+from dyndepth_app.bench import time_in_rounds
 
 
 def depths_of(name: str, key: jax.Array, batch: int, hi: int) -> jax.Array:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dyndepth._app import bench as _bench
+from dyndepth_app import bench as _bench
 
 
 def _check_rows(rows, tol_f=1e-5, tol_g=1e-4):

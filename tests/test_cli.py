@@ -17,9 +17,9 @@ import threading
 import numpy as np
 import pytest
 
-from dyndepth._app import cli as _cli
-from dyndepth._app import demo, train
-from dyndepth._app.config import QUICK, Config, replace
+from dyndepth_app import cli as _cli
+from dyndepth_app import demo, train
+from dyndepth_app.config import QUICK, Config, replace
 
 
 def test_bench_quick_runs_and_writes_json_and_plot(tmp_path, capsys):
@@ -68,7 +68,7 @@ def test_import_dyndepth_does_not_import_the_app():
     """The library never imports the application (demo, bench, CLI), nor tqdm or matplotlib."""
     code = (
         "import dyndepth, dyndepth.nn, sys; "
-        "bad = sorted(m for m in sys.modules if m.startswith('dyndepth._app') "
+        "bad = sorted(m for m in sys.modules if m.startswith('dyndepth_app') "
         "or m.split('.')[0] in ('tqdm', 'matplotlib')); "
         "assert not bad, bad"
     )
@@ -207,7 +207,7 @@ def test_eval_table_marks_iterations_not_evaluated(tiny_checkpoint, capsys):
 
 def _demo_process(out, *extra):
     return subprocess.Popen(
-        [sys.executable, "-m", "dyndepth", "demo", "--quick", "--no-control", "--out", str(out)]
+        [sys.executable, "-m", "dyndepth_app", "demo", "--quick", "--no-control", "--out", str(out)]
         + list(extra),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -282,7 +282,7 @@ def test_ctrl_c_while_training_saves_the_steps_done(tmp_path):
     master, terminal = pty.openpty()
     # 24 x 120 characters (a new pty has none, and tqdm would draw an empty bar)
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
-    argv = [sys.executable, "-m", "dyndepth", "demo", "--quick", "--no-control", "--out",
+    argv = [sys.executable, "-m", "dyndepth_app", "demo", "--quick", "--no-control", "--out",
             str(out), "--steps", str(steps)]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=terminal, text=True)
     os.close(terminal)

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from helpers import simulated_devices_env, tree_allclose
 
-from dyndepth._app import cli as _cli
-from dyndepth._app import demo, launch, model, train
-from dyndepth._app.config import QUICK, Config, config_to_json, replace
+from dyndepth_app import cli as _cli
+from dyndepth_app import demo, launch, model, train
+from dyndepth_app.config import QUICK, Config, config_to_json, replace
 
 TINY = replace(Config(), **QUICK)
 
@@ -222,8 +222,8 @@ MULTI_DEVICE = textwrap.dedent(
     """
     import json, os
     import jax, jax.numpy as jnp, numpy as np
-    from dyndepth._app import model, train
-    from dyndepth._app.config import QUICK, Config, replace
+    from dyndepth_app import model, train
+    from dyndepth_app.config import QUICK, Config, replace
 
     assert jax.device_count() == 8
     COUNTS = (1, 2, 8) if os.environ.get("DYNDEPTH_FULL") == "1" else (1, 8)
@@ -306,7 +306,7 @@ def test_demo_quick_on_eight_devices(tmp_path):
         [
             sys.executable,
             "-m",
-            "dyndepth",
+            "dyndepth_app",
             "demo",
             "--quick",
             "--devices",
@@ -407,7 +407,7 @@ def test_launch_environment_sets_the_device_count_of_each_process():
     assert env["XLA_FLAGS"].split() == ["--xla_a=1", "--xla_force_host_platform_device_count=2"]
     assert env["JAX_PLATFORMS"] == "cpu" and env["JAX_COORDINATOR_BIND_ADDRESS"] == "127.0.0.1:5"
     argv = launch.process_argv(["demo", "--quick"], 5, 1, 2)
-    assert argv[1:] == ["-m", "dyndepth", "demo", "--quick", "--coordinator", "127.0.0.1:5",
+    assert argv[1:] == ["-m", "dyndepth_app", "demo", "--quick", "--coordinator", "127.0.0.1:5",
                         "--num-processes", "2", "--process-id", "1"]  # fmt: skip
 
 
@@ -439,13 +439,13 @@ def test_mesh_takes_as_many_devices_from_every_process():
 TWO_PROCESSES = textwrap.dedent(
     """
     import argparse, json, sys
-    from dyndepth._app import processes
+    from dyndepth_app import processes
     coordinator, process_id, out, cfg = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     processes.initialize(argparse.Namespace(
         coordinator=coordinator, num_processes=2, process_id=process_id))
     import jax, numpy as np
-    from dyndepth._app import train
-    from dyndepth._app.config import config_from_json
+    from dyndepth_app import train
+    from dyndepth_app.config import config_from_json
 
     params, figures = train.train(config_from_json(json.loads(cfg)), out, devices=2)
     if jax.process_index() == 0:

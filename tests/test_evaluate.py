@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dyndepth._app import demo, evaluate, model, plots
-from dyndepth._app.config import QUICK, Config, replace
+from dyndepth_app import demo, evaluate, model, plots
+from dyndepth_app.config import QUICK, Config, replace
 
 TINY = replace(Config(), **QUICK)
 

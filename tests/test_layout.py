@@ -57,14 +57,6 @@ def _exists(module: str) -> bool:
     return (PACKAGE / rel).with_suffix(".py").exists() or (PACKAGE / rel / "__init__.py").exists()
 
 
-def _is_app(module: str) -> bool:
-    """Application code (demo, bench, CLI): it may import lazily what only a command needs."""
-    return module.startswith("dyndepth._app") or module in APP_MODULES
-
-
-APP_MODULES = ("dyndepth._cli", "dyndepth._demo", "dyndepth._bench")
-
-
 def _graph():
     files = [p for p in PACKAGE.rglob("*.py")]
     return {_module_name(p): _imports(p) for p in files}
@@ -94,7 +86,7 @@ def test_no_import_cycle():
 
 
 def test_no_lazy_imports_in_the_library():
-    lazy = {m: found for m, (_, found) in _graph().items() if found and not _is_app(m)}
+    lazy = {m: found for m, (_, found) in _graph().items() if found}
     assert not lazy, f"imports inside functions: {lazy}"
 
 
@@ -102,6 +94,25 @@ def test_importing_the_library_pulls_in_no_application_code():
     code = (
         "import dyndepth, dyndepth.nn, sys; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('tqdm', 'matplotlib') "
-        "or m.startswith('dyndepth._app')]; print(bad); assert not bad"
+        "or m.startswith('dyndepth_app')]; print(bad); assert not bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_application_uses_the_public_library_only():
+    """``dyndepth_app`` (the command: demos, evaluation, benchmarks) is a client of the
+    library: it imports ``dyndepth`` and ``dyndepth.nn``, no private module of them."""
+    app = PACKAGE.parent / "dyndepth_app"
+    private = []
+    for path in sorted(app.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "dyndepth" and any(p.startswith("_") for p in parts[1:]):
+                    private.append(f"{path.name}: {name}")
+    assert app.is_dir() and not private, private

@@ -131,7 +131,7 @@ def test_two_processes_match_one():
 
 
 def _join(process_id: int, address: str, *extra: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "dyndepth", "demo", "--quick", "--coordinator", address,
+    argv = [sys.executable, "-m", "dyndepth_app", "demo", "--quick", "--coordinator", address,
             "--num-processes", "2", "--process-id", str(process_id), *extra]  # fmt: skip
     env = simulated_devices_env(1, JAX_PLATFORMS="cpu")
     return subprocess.Popen(
@@ -202,7 +202,7 @@ QUIET = textwrap.dedent(
     import argparse, sys
     import numpy as np
     from jax.experimental import multihost_utils
-    from dyndepth._app import processes
+    from dyndepth_app import processes
 
     address, process_id = sys.argv[1], int(sys.argv[2])
     if process_id == 0:  # as dyndepth demo joins
@@ -248,7 +248,7 @@ def test_joining_keeps_gloos_connection_lines_out_of_the_output():
 
 
 def test_coordinator_timeout_needs_a_multi_process_run(capsys):
-    from dyndepth._app import cli
+    from dyndepth_app import cli
 
     assert cli.main(["demo", "--coordinator-timeout", "5"]) == 2
     err = capsys.readouterr().err.strip()

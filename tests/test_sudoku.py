@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dyndepth._app import cli as _cli
-from dyndepth._app import sudoku as S
-from dyndepth._app import sudoku_data as sd
-from dyndepth._app import sudoku_model as sm
-from dyndepth._app import sudoku_train as st
+from dyndepth_app import cli as _cli
+from dyndepth_app import sudoku as S
+from dyndepth_app import sudoku_data as sd
+from dyndepth_app import sudoku_model as sm
+from dyndepth_app import sudoku_train as st
 
 
 @pytest.fixture(scope="module")

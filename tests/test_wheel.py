@@ -67,17 +67,19 @@ def test_twine_check_passes(dist):
     _run([sys.executable, "-m", "twine", "check", "--strict", *map(str, sorted(dist.iterdir()))])
 
 
-def test_wheel_holds_the_library_only(dist):
+def test_wheel_holds_the_library_and_its_command_only(dist):
     with zipfile.ZipFile(_wheel(dist)) as z:
         names = z.namelist()
         licence = z.read(f"dyndepth-{VERSION}.dist-info/licenses/LICENSE").decode()
     top = {n.split("/")[0] for n in names}
-    assert top == {"dyndepth", f"dyndepth-{VERSION}.dist-info"}, top
+    assert top == {"dyndepth", "dyndepth_app", f"dyndepth-{VERSION}.dist-info"}, top
     assert "Apache License" in licence and "Version 2.0" in licence
     for forbidden in ("tests/", "benchmarks/", "examples/", "docs/", "/_ext/"):
         assert not [n for n in names if forbidden in n], forbidden
-    for needed in ("dyndepth/__init__.py", "dyndepth/py.typed", "dyndepth/nn/__init__.py"):
-        assert needed in names
+    needed = ("dyndepth/__init__.py", "dyndepth/py.typed", "dyndepth/nn/__init__.py",
+              "dyndepth_app/cli.py", "dyndepth_app/__main__.py")  # fmt: skip
+    for name in needed:
+        assert name in names, name
 
 
 def test_runtime_dependency_is_jax_alone_and_extras_are_named(dist):
@@ -109,7 +111,7 @@ def test_console_script_points_into_the_wheel(dist):
         names = set(z.namelist())
     m = re.search(r"^dyndepth\s*=\s*([\w.]+):(\w+)", entry_points, re.M)
     assert m, entry_points
-    module = m.group(1)  # dyndepth._cli or dyndepth._app.cli
+    module = m.group(1)  # dyndepth_app.cli
     path = module.replace(".", "/")
     assert f"{path}.py" in names or f"{path}/__init__.py" in names, module
 

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # (type names only: the step module imports nothing from here)
-    from ._derivative import Perturbed
-    from ._residuals import ResidualPlan
-    from ._step import Loop
+from ._derivative import Perturbed
+from ._residuals import ResidualPlan
+from ._step import Loop
 
 
 class _Cursor:

@@ -3,12 +3,12 @@ solves strings far longer than it was trained on by thinking longer, and let eve
 think exactly as long as it needs.
 
 The run (:func:`run_demo`): train the progressive-loss net (``alpha=1``; with ``--control`` also
-the ``alpha=0`` control, :mod:`~dyndepth._app.train`), evaluate the whole-string accuracy after
+the ``alpha=0`` control, :mod:`~dyndepth_app.train`), evaluate the whole-string accuracy after
 every iteration count for each test length until it has held ``>= 99%`` over a 4x range of
 iterations, then run the adaptive evaluation on a batch of mixed lengths
-(:mod:`~dyndepth._app.evaluate`). Output: a
+(:mod:`~dyndepth_app.evaluate`). Output: a
 progress bar, tables, ``accuracy.png``, ``adaptive.png``, ``results.json`` and checkpoints in
-the output folder. The task and model are in :mod:`~dyndepth._app.model`.
+the output folder. The task and model are in :mod:`~dyndepth_app.model`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from .train import (
 
 def evaluate_run(params, cfg, label, *, strings, log, caps=None):
     """Accuracy curves for every length of ``cfg.eval_lengths`` (each until it has held over
-    ``cfg.eval_hold`` x its iterations, see :func:`~dyndepth._app.evaluate.accuracy_curve`, at
+    ``cfg.eval_hold`` x its iterations, see :func:`~dyndepth_app.evaluate.accuracy_curve`, at
     most ``caps[length]`` iterations when given)."""
     curves = {}
     for length in cfg.eval_lengths:
@@ -93,7 +93,7 @@ def _check_resumable(runs, out_dir):
 
 def run_demo(cfg, out_dir, *, control=False, devices=1, log=None):
     """The whole demo (see the module's docstring); returns the report that ``results.json``
-    holds. On several processes (:mod:`~dyndepth._app.processes`) every process runs it and
+    holds. On several processes (:mod:`~dyndepth_app.processes`) every process runs it and
     process 0 alone logs and writes ``out_dir``."""
     primary = is_primary()
     log = run_log(log)
@@ -313,7 +313,7 @@ _FLAGS = ("width", "train_length", "max_iters", "batch", "steps", "lr", "eval_le
 
 
 def config_from_args(a):
-    """The run's :class:`~dyndepth._app.config.Config`: each flag given explicitly, else the
+    """The run's :class:`~dyndepth_app.config.Config`: each flag given explicitly, else the
     ``--quick`` value (with ``--quick``), else the default. Without ``--batch`` the batch is
     rounded up to a multiple of ``--devices``, so that it splits evenly."""
     devices = getattr(a, "devices", None) or 1

@@ -15,7 +15,7 @@ from .args import Interrupted, Parser, SigintGuard, int_at_least
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from dyndepth._app import processes, sudoku
+    from dyndepth_app import processes, sudoku
 
     error = sudoku.wrong_task_flag(args)
     if error:
@@ -57,19 +57,19 @@ def _demo(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
-    from dyndepth._app import demo
+    from dyndepth_app import demo
 
     return demo.main_demo(args)
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from dyndepth._app import launch
+    from dyndepth_app import launch
 
     return launch.main(args)
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from dyndepth._app import demo
+    from dyndepth_app import demo
 
     return demo.main_eval(args)
 
@@ -79,7 +79,7 @@ def _seed_demo(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     import dyndepth
-    from dyndepth._app import bench as _bench
+    from dyndepth_app import bench as _bench
 
     print("== the seed's program with dyndepth.repeat (B=32, D=64, depths in [1, 100]) ==")
     max_iters, batch, dim = 100, 32, 64
@@ -107,9 +107,9 @@ def _seed_demo(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from dyndepth._app import demo as demo_mod
-    from dyndepth._app import launch as launch_mod
-    from dyndepth._app import sudoku as sudoku_mod
+    from dyndepth_app import demo as demo_mod
+    from dyndepth_app import launch as launch_mod
+    from dyndepth_app import sudoku as sudoku_mod
 
     parser = Parser(prog="dyndepth", description="dyndepth demo and benchmarks")
     parser.add_argument(
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     with SigintGuard(prog.strip()):
         try:
             if argv and argv[0] == "bench":  # the benchmark has its own parser and --help
-                from dyndepth._app import bench
+                from dyndepth_app import bench
 
                 bench.main(argv[1:])
                 return 0

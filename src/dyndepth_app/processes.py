@@ -4,7 +4,7 @@ the processes must agree.
 
 Every process runs the whole demo, the same program on the same numbers: the training steps run
 on one mesh over all processes' devices (each device computes its rows of the global batch,
-drawn from the replicated step key; see :mod:`~dyndepth._app.train`), and the evaluation runs
+drawn from the replicated step key; see :mod:`~dyndepth_app.train`), and the evaluation runs
 on each process's first device. Only process 0 prints and reads or writes files; what the other
 processes need from a file (a checkpoint to resume) comes from process 0 by broadcast, so the
 other hosts need not see the output folder. The other processes evaluate too, although nobody
@@ -103,7 +103,7 @@ def initialize(a, *, progress_every: float = 10.0, first_progress: float = 2.0) 
     not reach Python, and at its time limit JAX aborts the process with a stack trace. So the
     call runs in a thread of its own (with a time limit past ours) while this thread waits:
     it says on stderr what it waits for (after ``first_progress`` seconds, then every
-    ``progress_every``), stops at Ctrl-C (raises :class:`~dyndepth._app.args.Interrupted`),
+    ``progress_every``), stops at Ctrl-C (raises :class:`~dyndepth_app.args.Interrupted`),
     and after ``--coordinator-timeout`` seconds raises :class:`JoinFailed`. Either way the
     blocked thread remains: the caller must end the process with ``os._exit`` (as
     ``dyndepth demo`` does), since JAX's exit handlers would wait for it. Once joined, the CPU

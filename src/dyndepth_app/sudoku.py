@@ -2,8 +2,8 @@
 puzzle, in batches.
 
 The run (:func:`run_sudoku`): make the puzzles (seeded, cached in ``--out``: training removal
-paths, and held-out test puzzles bucketed by difficulty, :mod:`~dyndepth._app.sudoku_data`),
-train the model (:mod:`~dyndepth._app.sudoku_train`, :mod:`~dyndepth._app.sudoku_model`),
+paths, and held-out test puzzles bucketed by difficulty, :mod:`~dyndepth_app.sudoku_data`),
+train the model (:mod:`~dyndepth_app.sudoku_train`, :mod:`~dyndepth_app.sudoku_model`),
 then evaluate it on the test puzzles three ways:
 
 - the fixed maximum: every puzzle runs ``max_steps`` outer steps (a batched ``lax.fori_loop``);
@@ -150,7 +150,7 @@ def _test_set(cfg, log):
     """One puzzle per removal path of the test stream (never the training stream's), each
     aimed at the bucket with the fewest puzzles so far, until every bucket holds
     ``cfg.test_per_bucket``: arrays ``puzzles, solutions`` (N, 81) and per puzzle ``givens``,
-    ``rounds``, ``nodes``, ``bucket`` (index into :data:`~dyndepth._app.sudoku_data.BUCKETS`)."""
+    ``rounds``, ``nodes``, ``bucket`` (index into :data:`~dyndepth_app.sudoku_data.BUCKETS`)."""
     rng = random.Random(f"sudoku-test-{cfg.seed}")
     need = cfg.test_per_bucket
     got = {b: [] for b in sd.BUCKETS}

@@ -1,7 +1,7 @@
 """Training the Sudoku demo's model: the training pool on the device, random symmetries, the
 carried batch of deep supervision, AdamW with a cosine schedule, checkpoints.
 
-**Data.** Training puzzles come from removal paths (:mod:`~dyndepth._app.sudoku_data`) held on
+**Data.** Training puzzles come from removal paths (:mod:`~dyndepth_app.sudoku_data`) held on
 the device: each new puzzle is a random path, a number of givens drawn uniformly from
 ``[max(cfg.min_givens, the path's end), cfg.max_givens]``, and a random symmetry of the grid
 (bands, rows, stacks, columns, transpose, digits), so that a thousand paths give far more
@@ -9,7 +9,7 @@ distinct puzzles than a run sees.
 
 **Deep supervision** (TRM): the batch of ``cfg.batch`` puzzles is carried from one optimizer
 step to the next with its latent state ``(z, y)`` detached; each step runs one outer step of
-:func:`~dyndepth._app.sudoku_model.outer_step` with gradient through its last cycle and
+:func:`~dyndepth_app.sudoku_model.outer_step` with gradient through its last cycle and
 updates the parameters. A puzzle that is solved (``cfg.train_halt="solved"``; with
 ``"head"``, TRM's rule: whose halting logit is positive), or that has had ``cfg.max_steps``
 outer steps, is replaced by a new one at the next step: the batch's rows go to the puzzles that
@@ -50,7 +50,7 @@ def _lines(key):
 
 def symmetry(key):
     """A random validity-preserving map ``(cells (81,), digits (10,))``, applied as
-    ``new = digits[old[cells]]`` (the JAX twin of :func:`~dyndepth._app.sudoku_data.symmetry`)."""
+    ``new = digits[old[cells]]`` (the JAX twin of :func:`~dyndepth_app.sudoku_data.symmetry`)."""
     kr, kc, kt, kd = jax.random.split(key, 4)
     rows, cols = _lines(kr), _lines(kc)
     cells = (rows[:, None] * 9 + cols[None, :]).reshape(81)
@@ -61,7 +61,7 @@ def symmetry(key):
 
 def draw(pool, key, n, min_givens, max_givens):
     """``n`` training puzzles from ``pool = (solutions, ranks, ends)`` (see
-    :func:`~dyndepth._app.sudoku_data.make_paths`; ``ends``: each path's fewest givens):
+    :func:`~dyndepth_app.sudoku_data.make_paths`; ``ends``: each path's fewest givens):
     ``(puzzles, solutions)``, (n, 81) int32 each."""
     solutions, ranks, ends = pool
     ki, kg, ka = jax.random.split(key, 3)
@@ -216,7 +216,7 @@ def check_resumable(saved, cfg, path, training_fields):
 def train(cfg, pool, out_dir, *, config_from_json, training_fields, log, stop_at=None):
     """Train for ``cfg.steps`` steps, resuming from ``out_dir/sudoku.ckpt.npz`` when present;
     returns ``(params, figures)``. After Ctrl-C, saves a checkpoint and raises
-    :class:`~dyndepth._app.args.Interrupted`. ``stop_at`` ends the call early at that step (as
+    :class:`~dyndepth_app.args.Interrupted`. ``stop_at`` ends the call early at that step (as
     an interruption would)."""
     ckpt = os.path.join(out_dir, "sudoku.ckpt.npz")
     params, state = fresh_state(cfg)

@@ -2,7 +2,7 @@
 several-process setup without several hosts.
 
 ``dyndepth launch --processes 2 --devices-per-process 2 -- demo --quick`` picks a free loopback
-port and starts two processes of ``python -m dyndepth demo --quick --coordinator
+port and starts two processes of ``python -m dyndepth_app demo --quick --coordinator
 127.0.0.1:PORT --num-processes 2 --process-id I``, each with two simulated CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=2``, ``JAX_PLATFORMS=cpu``). Process 0's
 output goes to the terminal; the others' go to a log file each, whose last lines are shown if
@@ -83,7 +83,7 @@ def process_argv(command, port, process_id, processes):
     return [
         sys.executable,
         "-m",
-        "dyndepth",
+        "dyndepth_app",
         *command,
         "--coordinator",
         f"127.0.0.1:{port}",

@@ -4,7 +4,7 @@ errors are one line, argument types that name the flag in their message, and Ctr
 Ctrl-C: :class:`SigintGuard` replaces Python's ``KeyboardInterrupt`` while a command runs. The
 first Ctrl-C only sets a flag; the command stops at its next safe point (between training steps,
 between evaluation chunks, between benchmark rows), saves what it has (the demo writes a
-checkpoint), and :func:`dyndepth._app.cli.main` prints one line and returns 130. A
+checkpoint), and :func:`dyndepth_app.cli.main` prints one line and returns 130. A
 ``KeyboardInterrupt`` raised inside an XLA compilation and the interpreter teardown that follows
 crashed the process (segmentation fault) in about half the trials; with the flag, nothing is
 interrupted mid-call. A second Ctrl-C quits at once (``os._exit(130)``, no teardown), keeping the

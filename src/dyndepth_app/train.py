@@ -18,7 +18,7 @@ per-device sums divided by the batch size), so the gradients of the replicated p
 out summed over the devices, and the AdamW update runs on the replicated parameters. The data,
 ``n`` and ``k`` are drawn from the replicated step key before ``shard_map``, so a run gives the
 same numbers on any number of devices (up to float summation order). On several processes
-(``--coordinator``, :mod:`~dyndepth._app.processes`) the mesh spans all their devices and the
+(``--coordinator``, :mod:`~dyndepth_app.processes`) the mesh spans all their devices and the
 same step runs unchanged.
 """
 
@@ -177,7 +177,7 @@ def make_loss_and_grad(cfg, devices=1):
     and depths drawn from ``key``: the traceable core of :func:`make_train_step`. ``executed``
     and ``useful`` (int32, one entry per device, replicated on every device) are the forward
     sample-iterations of the step's loops on each device (see
-    :func:`~dyndepth._app.model.think_batched`; with a per-batch depth every sample runs
+    :func:`~dyndepth_app.model.think_batched`; with a per-batch depth every sample runs
     exactly ``n + k`` iterations, so both are ``samples_per_device * (n + k)``, counted, not
     measured).
 
@@ -316,7 +316,7 @@ def _open_checkpoint(path):
 
 
 def read_checkpoint_config(path):
-    """The :class:`~dyndepth._app.config.Config` stored in a checkpoint; raises
+    """The :class:`~dyndepth_app.config.Config` stored in a checkpoint; raises
     :class:`BadCheckpoint`."""
     return _open_checkpoint(path)[1]
 
@@ -416,13 +416,13 @@ def train(cfg, out_dir, *, label="alpha=1", resume=True, stop_at=None, devices=1
     the same numbers on any number of devices, so a checkpoint resumes on any count.
 
     A checkpoint trained with another configuration raises :class:`ConfigMismatch`. After a
-    Ctrl-C (under :class:`~dyndepth._app.args.SigintGuard`) the loop saves a checkpoint of the
-    steps done and raises :class:`~dyndepth._app.args.Interrupted`.
+    Ctrl-C (under :class:`~dyndepth_app.args.SigintGuard`) the loop saves a checkpoint of the
+    steps done and raises :class:`~dyndepth_app.args.Interrupted`.
 
     ``figures["per_device"]`` holds, per device, the forward sample-iterations of the steps run
     in this call (see :func:`per_device_work`).
 
-    On several processes (:mod:`~dyndepth._app.processes`) every process calls this; process 0
+    On several processes (:mod:`~dyndepth_app.processes`) every process calls this; process 0
     alone logs, shows the progress bar and reads and writes the checkpoint."""
     primary = is_primary()
     log = run_log(log)

@@ -1,5 +1,0 @@
-import sys
-
-from dyndepth._app.cli import main
-
-sys.exit(main())

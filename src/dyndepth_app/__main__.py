@@ -1,0 +1,5 @@
+import sys
+
+from dyndepth_app.cli import main
+
+sys.exit(main())

@@ -62,7 +62,8 @@ def test_stop_rule_matches_a_python_loop(patience):
     cap = evaluate.budgets(m, 0.6)
     np.testing.assert_array_equal(np.asarray(cap), np.ceil(0.6 * np.asarray(lengths)))
     dil, max_steps = (1, 2, 1, 1), int(cap.max())
-    p_dd, s_dd = evaluate.adaptive_dyndepth(params, dil, patience, max_steps, x, m, cap)
+    p_dd, s_dd, executed = evaluate.adaptive_dyndepth(params, dil, patience, max_steps, x, m, cap)
+    assert int(s_dd.sum()) <= int(executed) <= x.shape[0] * max_steps
     p_lax, s_lax = evaluate.adaptive_lax(params, dil, patience, max_steps, x, m, cap)
     capped = 0
     for b in range(10):

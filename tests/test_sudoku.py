@@ -197,7 +197,9 @@ def test_halting_loops_agree_with_the_replayed_rule(rule):
     if rule == "valid":
         assert want[:2].tolist() == [1, 1] and want[-2:].tolist() == [6, 6]
     puz = jnp.asarray(puz, jnp.int32)
-    ans_d, steps_d = S.halting_dyndepth(params, cfg, rule, puz)  # 3 slots for 6 puzzles
+    ans_d, steps_d, executed = S.halting_dyndepth(params, cfg, rule, puz)  # 3 slots, 6 puzzles
+    # the loop's work: every slot busy but in the tail, at most one slot-length wasted each
+    assert want.sum() <= int(executed) <= want.sum() + 3 * cfg.max_steps
     ans_l, steps_l = S.halting_lax(params, cfg, rule, puz)
     np.testing.assert_array_equal(np.asarray(steps_d), want)
     np.testing.assert_array_equal(np.asarray(steps_l), want)
@@ -227,7 +229,7 @@ def test_quick_run_end_to_end(tmp_path, capsys):
     a = res["adaptive"]
     for k in ("accuracy", "fixed_accuracy", "executed_over_useful", "seconds", "fixed_seconds"):
         assert isinstance(a[k], float), k
-    assert a["same_as_lax"] and a["same_as_counted_run"]
+    assert a["same_as_lax"]
     assert a["executed_over_useful"] >= 1.0
     assert len(res["puzzles"]["steps"]) == 3 * S.QUICK["test_per_bucket"]
     assert json.loads((out / "results.json").read_text())["config"] == res["config"]

@@ -620,3 +620,72 @@ def test_cond_fun_error_under_vmap_points_to_per_sample_form():
         jax.vmap(
             lambda x: dd.while_loop(lambda c: c > 0, _body, x, max_steps=MAX_STEPS), in_axes=0
         )(XB)
+
+
+def _counting(limits):
+    """A loop that counts up to its sample's limit: the steps taken are the limits (capped)."""
+    return (
+        (lambda c: c[0] < c[1]),
+        (lambda c: c.at[0].add(1.0)),
+        jnp.stack([jnp.zeros_like(limits), limits], axis=-1),
+    )
+
+
+@pytest.mark.parametrize("strategy", ["while", "checkpointed", "auto"])
+def test_return_stats_unbatched_counts_the_steps(strategy):
+    for limit in (0.0, 1.0, 5.0, 20.0):
+        cond, body, init = _counting(jnp.asarray(limit))
+        _, steps, stats = dd.while_loop(cond, body, init, max_steps=MAX_STEPS, strategy=strategy,
+                                        return_steps=True, return_stats=True)  # fmt: skip
+        assert int(steps) == min(int(limit), MAX_STEPS)
+        assert int(stats["iterations"]) == int(stats["executed_sample_steps"]) == int(steps)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(
+    ("strategy", "slots"), [("auto", 1), ("auto", 3), ("auto", None), ("checkpointed", None)]
+)
+def test_return_stats_under_vmap_describe_the_batch_loop(seed, strategy, slots):
+    rng = np.random.default_rng(seed)
+    rows = int(rng.integers(2, 12))
+    limits = jnp.asarray(rng.integers(0, MAX_STEPS + 3, rows), jnp.float32)
+    cond, body, init = _counting(limits)
+    kw = dict(max_steps=MAX_STEPS, strategy=strategy, return_steps=True, return_stats=True)
+    if slots is not None:
+        kw["slots"] = slots
+
+    out, steps, stats = jax.jit(jax.vmap(lambda c: dd.while_loop(cond, body, c, **kw)))(init)
+    want = np.minimum(np.asarray(limits), MAX_STEPS)
+    np.testing.assert_array_equal(np.asarray(steps), want)
+    np.testing.assert_array_equal(np.asarray(out[:, 0]), want)
+    its, executed = np.asarray(stats["iterations"]), np.asarray(stats["executed_sample_steps"])
+    assert (its == its[0]).all() and (executed == executed[0]).all()  # one loop, its figures
+    its, executed = int(its[0]), int(executed[0])
+    assert its >= want.max() and executed >= want.sum()
+    if strategy == "checkpointed":  # lockstep: the longest sample's steps, every row each
+        assert (its, executed) == (want.max(), rows * want.max())
+    elif slots is not None:  # continuous batching in `slots` rows (all of them at most)
+        assert executed == min(slots, rows) * its
+        if slots == 1:  # one slot runs the steps one after another
+            assert its == executed == want.sum()
+
+
+def test_return_stats_refuses_the_masked_loop():
+    cond, body, init = _counting(jnp.asarray(3.0))
+    with pytest.raises(ValueError, match="`return_stats`=True reports the work.*masked"):
+        dd.while_loop(cond, body, init, max_steps=MAX_STEPS, strategy="masked", return_stats=True)
+
+
+def test_return_stats_keeps_gradients():
+    def loss(scale, strategy):
+        def body(c):
+            return c * jnp.asarray([1.0, scale]) + jnp.asarray([1.0, 0.0])
+
+        stats = strategy != "masked"
+        out = dd.while_loop(lambda c: c[0] < 3.0, body, jnp.asarray([0.0, 1.0]),
+                            max_steps=MAX_STEPS, strategy=strategy, return_stats=stats)  # fmt: skip
+        return (out[0] if stats else out)[1]
+
+    want = jax.grad(loss)(1.5, "masked")
+    for strategy in ("checkpointed", "auto"):
+        np.testing.assert_allclose(jax.grad(loss)(1.5, strategy), want, rtol=1e-6)

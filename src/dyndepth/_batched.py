@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import _vma
+from . import _sharding, _vma
 from ._budget import recompute_slots
 from ._derivative import Perturbed
 from ._leaves import (
@@ -69,7 +69,7 @@ def forward(loop: Loop, consts, c_axes, cconsts, cc_axes, init, xs, n, kd, *, st
         i=i0,
         act=active(loop, cconsts, cc_axes, i0, n, init),
         carry=list(init),
-        ys=[_vma.zeros((B, T), a) for a in loop.y_avals],
+        ys=[_sharding.zeros((B, T), a) for a in loop.y_avals],
         iters=jnp.zeros((), jnp.int32),
     )
     if store:
@@ -100,7 +100,7 @@ def store_state(loop: Loop, init, B: int) -> dict:
     before the first step."""
     # Slot 0 always holds init, so that the backward pass never evaluates the step at an
     # uninitialised state, even for rows that take no step.
-    buf = [_vma.zeros((B, loop.slots_stored), a).at[:, 0].set(c)
+    buf = [_sharding.zeros((B, loop.slots_stored), a).at[:, 0].set(c)
            for a, c in zip(loop.carry_avals, init, strict=True)]  # fmt: skip
     return dict(buf=buf, count=jnp.zeros((B,), jnp.int32), stride=jnp.ones((B,), jnp.int32))
 
@@ -199,7 +199,7 @@ def const_accumulators(pert: Perturbed, consts, c_axes, B, per_row):
     out = []
     for c, ax in zip(take(consts, pert.consts), take(c_axes, pert.consts), strict=True):
         if ax is None and per_row:
-            out.append(_vma.zeros((B,), _vma.typed_aval(c)))
+            out.append(_sharding.zeros((B,), _sharding.typed_aval(c)))
         else:
             out.append(jnp.zeros_like(c))
     return out
@@ -240,9 +240,9 @@ def backward(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, steps, ct
     # recomputes its sub-checkpoints first (``lb1``), then each sub-segment into ``lb``.
     inner, sub = recompute_slots(S)
     if S > 1:
-        state["lb"] = [_vma.zeros((B, inner), a) for a in loop.carry_avals]
+        state["lb"] = [_sharding.zeros((B, inner), a) for a in loop.carry_avals]
     if sub:
-        state["lb1"] = [_vma.zeros((B, sub), a) for a in loop.carry_avals]
+        state["lb1"] = [_sharding.zeros((B, sub), a) for a in loop.carry_avals]
 
     def segment_body(s):
         j = nseg - 1 - s["r"]

@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from . import _compat, _vma
+from . import _compat, _sharding, _vma
 
 
 def check_uneven_trip_counts(loop: Any, fname: str, n: Any, init: Any) -> None:
@@ -44,7 +44,7 @@ def _no_collective_over_uneven_trip_counts(loop: Any, fname: str, n: Any, init: 
     """Inside ``shard_map``, a collective in the step over a mesh axis that the trip count
     varies over (the depth, or the carry a stop predicate reads) would wait forever for the
     devices that stopped: raise instead."""
-    manual = set(_vma.manual_axes())
+    manual = set(_sharding.manual_axes())
     if not manual:
         return
     names = _names_in(loop.step_jaxpr.jaxpr, collectives_only=True)
@@ -69,7 +69,7 @@ def _no_auto_axes_around_uneven_trip_counts(loop: Any, fname: str, n: Any, init:
     split over ``model``). When the number of steps varies over a manual axis, the devices that
     stop early never join them and the program hangs or aborts: raise at trace time instead.
     What XLA will emit is not known when the loop is traced, so any such loop raises."""
-    manual = set(_vma.manual_axes())
+    manual = set(_sharding.manual_axes())
     if not manual:
         return
     mesh = jax.sharding.get_abstract_mesh()
@@ -102,4 +102,4 @@ def uses_vmap_axis(loop: Any) -> bool:
     names = _names_in(loop.step_jaxpr.jaxpr)
     if loop.cond_jaxpr is not None:
         names |= _names_in(loop.cond_jaxpr.jaxpr)
-    return bool(_compat.bound_axes(names) - set(_vma.manual_axes()))
+    return bool(_compat.bound_axes(names) - set(_sharding.manual_axes()))

@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from . import _batched, _budget, _schedule, _single, _vma
+from . import _batched, _budget, _schedule, _sharding, _single
 from ._derivative import Perturbed
 from ._leaves import broadcast_rows, merge, take
 from ._operands import BwdOperands, Cotangents, LoopOperands, LoopOutputs, Stored, n_stored
@@ -197,7 +197,7 @@ def _forward_rows(loop, level, store, plan, ops: LoopOperands) -> list:
         # A batched forward pass stores carries only; the stored-residual buffers of a plan
         # (made for an unbatched loop) stay empty, and the backward pass recomputes.
         buf, stride = res[0], res[1]  # (the batched kernels return no stored residuals)
-        ext = [] if plan is None else [_vma.zeros((loop.max_steps,), a) for a in plan.stored]
+        ext = [] if plan is None else [_sharding.zeros((loop.max_steps,), a) for a in plan.stored]
         res = (buf, stride, ext)
     return _flat_forward(carry, ys, steps, stats, res)
 
@@ -206,7 +206,7 @@ def _shared_steps(steps):
     """The one step count of rows that share their depth. Rows sharded over ``Explicit`` mesh
     axes are typed with the split, where taking row 0 is a slice JAX refuses: their maximum
     (the same value, reduced once, after the loop) instead."""
-    return steps[0] if _vma.type_mesh(steps) is None else steps.max()
+    return steps[0] if _sharding.type_mesh(steps) is None else steps.max()
 
 
 def _leaf_or_none(kd):

@@ -7,7 +7,7 @@ imports nothing else from the core, so a layer's dependencies on internals are a
 - the argument checks of the loops (each error names the argument and its value);
 - :class:`dyndepth._keys.KeySchedule`: a key's data and the key of step ``i``, for a layer that
   closes over a key;
-- :func:`dyndepth._vma.zeros`: a buffer typed like a value (with its sharding on an Explicit
+- :func:`dyndepth._sharding.zeros`: a buffer typed like a value (with its sharding on an Explicit
   mesh), to be written inside a step;
 - :func:`stopped`: a function called inside a step with every value it closes over behind
   ``stop_gradient``.
@@ -34,9 +34,9 @@ from ._loop import repeat as repeat
 from ._loop import scan as scan
 from ._loop import scan_stacked as scan_stacked
 from ._loop import while_loop as while_loop
+from ._sharding import zeros as zeros
 from ._step import closure_convert
 from ._types import Strategy as Strategy
-from ._vma import zeros as zeros
 
 
 def stopped(fn: Callable, *example_args: Any) -> Callable:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from . import _checks, _collectives, _masked, _primitives, _vma
+from . import _checks, _collectives, _masked, _primitives, _sharding
 from ._keys import KeySchedule, check_key
 from ._trace import StepKind, trace_loop
 from ._types import Strategy
@@ -39,9 +39,11 @@ def _key_parts(key: Any, name: str) -> tuple[KeySchedule | None, Any, Any]:
 
 def _run(kind: StepKind, fn: Callable, cond_fn: Callable | None, init: Any, xs: Any, n: Any,
          key: Any, stacked: Any = None, *, length: int, strategy: str,
-         checkpoints: int | None, slots: int | tuple[int, ...] | str | None):  # fmt: skip
+         checkpoints: int | None, slots: int | tuple[int, ...] | str | None,
+         stats_for: str | None = None):  # fmt: skip
     """Trace the step, pick the strategy's runner and run. Returns ``(carry, ys, steps,
-    stats)`` as the user's pytrees."""
+    stats)`` as the user's pytrees. ``stats_for``: the argument that asked for the stats, if
+    any (the masked loop has none to report: every sample runs every step)."""
     strategy = _checks.strategy_arg(strategy)
     if checkpoints is not None and strategy not in ("auto", "checkpointed"):
         raise ValueError(
@@ -64,12 +66,20 @@ def _run(kind: StepKind, fn: Callable, cond_fn: Callable | None, init: Any, xs: 
         ys = [jnp.zeros((0,) + a.shape, a.dtype) for a in loop.y_avals]
         carry, steps, stats = traced.init, jnp.zeros((), jnp.int32), jnp.zeros((2,), jnp.int32)
     elif strategy == "masked" or _collectives.uses_vmap_axis(loop):
+        if stats_for is not None:
+            why = ("strategy='masked'" if strategy == "masked" else
+                   "a step that uses the vmap axis (it runs the masked loop)")  # fmt: skip
+            raise ValueError(
+                f"`{stats_for}`=True reports the work of dyndepth's loop, but {why} runs "
+                "max_steps steps for every sample: there is nothing to report; drop "
+                f"`{stats_for}` or use strategy 'auto', 'checkpointed' or 'while'"
+            )
         carry, ys, steps, stats = _masked.run(loop, *operands)
     else:
         _collectives.check_uneven_trip_counts(loop, kind.fname, n, traced.init)
         # Under jit, arrays placed on a mesh with Explicit axes are typed with it: the loop's
         # own buffers are then created under that mesh too (as under jax.set_mesh).
-        with _vma.mesh_context(operands):
+        with _sharding.mesh_context(operands):
             carry, ys, steps, stats = _primitives.run(loop, *operands)
     return traced.carry_out(carry), traced.ys_out(ys), steps, stats
 
@@ -377,6 +387,7 @@ def while_loop(
     return_steps: bool = False,
     slots: int | Sequence[int] | Literal["work"] | None = None,
     with_index: bool = False,
+    return_stats: bool = False,
 ) -> Any:
     """A bounded while loop with a data-dependent stop, reverse-differentiable.
 
@@ -402,6 +413,14 @@ def while_loop(
     - ``return_steps``: also return the number of steps taken (an int32 scalar).
     - ``with_index``: ``body_fun(i, carry)`` (``body_fun(i, carry, key)`` with ``key``), ``i``
       the step's index, as for :func:`repeat`; ``cond_fun`` still takes the carry alone.
+    - ``return_stats``: also return a dict of int32 scalars describing the forward loop that
+      ran: ``iterations`` and ``executed_sample_steps`` (the rows it ran the step on, summed
+      over its iterations). Unbatched, both are the steps taken. Under ``vmap`` the batch
+      runs one loop (continuous batching) and every sample receives that loop's figures;
+      ``executed_sample_steps / sum(steps)`` is then its overhead (``return_steps`` gives the
+      steps). Inside ``shard_map``, this device's loop; under plain ``jit`` with the batch
+      sharded over ``Explicit`` mesh axes, the longest device's iterations and the sum over
+      the devices.
 
     **Transformations:** as :func:`repeat` for each strategy. Under ``vmap`` with a per-sample
     predicate, every sample stops at its own step; finished samples are masked.
@@ -412,8 +431,12 @@ def while_loop(
     ``2 * steps`` under ``vmap``; with ``checkpoints=K``, at most ``3 * steps``, and exactly
     ``2 * steps`` when ``steps <= K``.
 
+    **Returns:** the final carry; ``(carry, steps)`` with ``return_steps``, ``(carry, stats)``
+    with ``return_stats``, ``(carry, steps, stats)`` with both.
+
     **Raises:** as :func:`repeat`; ``TypeError`` when ``cond_fun`` is not callable or does not
-    return a boolean scalar.
+    return a boolean scalar; ``ValueError`` for ``return_stats`` with ``strategy="masked"``
+    (or a step that uses the axis of an enclosing ``vmap``, which runs the masked loop).
     """
     _checks.callable_arg(cond_fun, "cond_fun")
     _checks.callable_arg(body_fun, "body_fun")
@@ -421,13 +444,20 @@ def while_loop(
     checkpoints = _checks.checkpoints_arg(checkpoints)
     slots = _checks.slots_arg(slots)
     return_steps = _checks.bool_arg(return_steps, "return_steps")
+    return_stats = _checks.bool_arg(return_stats, "return_stats")
     kind = _carry_kind(key is not None, "body_fun")
     kind, step, xs = _indexed(with_index, kind, body_fun, None, max_steps)
-    carry, _, steps, _ = _run(
+    carry, _, steps, stats = _run(
         kind, step, cond_fun, init, xs, jnp.asarray(max_steps, jnp.int32), key,
         length=max_steps, strategy=strategy, checkpoints=checkpoints, slots=slots,
+        stats_for="return_stats" if return_stats else None,
     )  # fmt: skip
-    return (carry, steps) if return_steps else carry
+    out = [carry] + ([steps] if return_steps else [])
+    if return_stats:
+        stats = stats.reshape(-1, 2)  # (one row per device where the devices report apart)
+        out.append({"iterations": jnp.max(stats[:, 0]),
+                    "executed_sample_steps": jnp.sum(stats[:, 1])})  # fmt: skip
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def repeat_batched(

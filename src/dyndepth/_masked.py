@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _vma
+from . import _sharding, _vma
 from ._batched import stats_of
 from ._keys import mixed_draws, refuse_batched
 from ._step import Loop
@@ -38,7 +38,7 @@ def _run(loop: Loop, consts, cconsts, init, xs, n, kd):
     consts, init, xs, kd = _refuse_mixed_draws(loop, consts, init, xs, kd)
     axes = _vma.state_axes_of([consts, cconsts, init, xs, n, kd])
     consts, cconsts = _vma.vary(list(consts), axes), _vma.vary(list(cconsts), axes)
-    zeros_y = [_vma.zeros((), a) for a in loop.y_avals]
+    zeros_y = [_sharding.zeros((), a) for a in loop.y_avals]
 
     def body(state, i):
         carry, alive, steps = state
@@ -51,7 +51,7 @@ def _run(loop: Loop, consts, cconsts, init, xs, n, kd):
         def step(carry):
             return loop.step(consts, carry, x, key)
 
-        if _vma.manual_axes():
+        if _sharding.manual_axes():
             # Inside shard_map, vmap's rewrite of a cond into a select trips over the varying
             # types of the branches; run the step and select, which is what vmap does anyway.
             new_c, new_y = step(carry)

@@ -36,7 +36,7 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _compat, _vma
+from . import _compat, _sharding
 
 # Set while a kernel is traced for a lowering over several devices (see partitioning).
 _PARTITIONING = contextvars.ContextVar("dyndepth_partitioning", default=False)
@@ -109,10 +109,10 @@ def per_device(fn: Callable, args: tuple, in_batched: Any, probe: Any,
     mesh, a replicated leaf split over other axes than the batch's (a tensor-parallel weight)
     stays split, unless ``gather_params``.
     """
-    mesh, axes = _vma.batch_mesh(probe)
+    mesh, axes = _sharding.batch_mesh(probe)
     if mesh is not None:
         return _in_shard_map(fn, args, in_batched, merges, mesh, axes, gather_params)
-    if _PARTITIONING.get() and not _vma.manual_axes() and not _explicit_typed(args):
+    if _PARTITIONING.get() and not _sharding.manual_axes() and not _explicit_typed(args):
         return _partitioned(fn, args, in_batched, merges)
     return _merged(fn(*args), merges, Across())
 
@@ -120,7 +120,7 @@ def per_device(fn: Callable, args: tuple, in_batched: Any, probe: Any,
 def _explicit_typed(leaves: Any) -> bool:
     """Whether a leaf's type carries a mesh with ``Explicit`` axes (then the types, not XLA's
     propagation, say how values are sharded)."""
-    mesh = _vma.type_mesh(leaves)
+    mesh = _sharding.type_mesh(leaves)
     return mesh is not None and jax.sharding.AxisType.Explicit in mesh.axis_types
 
 
@@ -145,7 +145,7 @@ def _in_shard_map(fn, args, in_batched, merges, mesh, axes, gather_params) -> tu
         if have is not None and not have.mesh.empty:
             if tuple(have.spec) == tuple(target):
                 return a
-            split_over = {n for entry in have.spec for n in _vma.axes_of(entry)}
+            split_over = {n for entry in have.spec for n in _sharding.axes_of(entry)}
             if not (want or gather_params or split_over & set(axes)):
                 return a
         return jax.sharding.reshard(a, NamedSharding(mesh, target))
@@ -180,7 +180,7 @@ def _partitioned(fn, args, in_batched, merges) -> tuple:
     def shardings(mesh, arg_shapes):
         lead = _batch_spec(arg_shapes, flags)
         placed = lambda fs: tuple(NamedSharding(mesh, P(lead) if f else P()) for f in fs)
-        return placed(flags), placed(out_flags), _vma.axes_of(lead)
+        return placed(flags), placed(out_flags), _sharding.axes_of(lead)
 
     def infer(mesh, arg_shapes, result_shape):
         return shardings(mesh, arg_shapes)[1]

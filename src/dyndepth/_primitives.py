@@ -41,7 +41,7 @@ from jax.extend.core import Primitive, jaxpr_as_fun
 from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
 
-from . import _batched, _compat, _dispatch, _masked, _per_device, _vma
+from . import _batched, _compat, _dispatch, _masked, _per_device, _sharding, _vma
 from ._derivative import Perturbed, const_order, jvp_loop, perturbation
 from ._dispatch import Batch, Level
 from ._keys import mixed_draws
@@ -81,7 +81,7 @@ def _backward_kernel(*ops, loop, batch, pert, plan, use_ext):
     # A const sharded over an Explicit axis other than the batch's (a tensor-parallel weight)
     # was replicated into the per-device loops: its cotangent is typed back like it.
     consts = take(bwd.consts, pert.consts)
-    typed = [_vma.typed_like(g, c) for g, c in zip(out.consts, consts, strict=True)]
+    typed = [_sharding.typed_like(g, c) for g, c in zip(out.consts, consts, strict=True)]
     return dataclasses.replace(out, consts=typed).flat()
 
 
@@ -132,9 +132,9 @@ def _kernel_jaxpr(kind: str, params: dict, avals: tuple, partitioned: bool = Fal
 
 
 def _state_axes(kind: str, params: dict, avals: tuple) -> _vma.StateAxes:
-    """The manual axes a kernel's loop state varies over: those of its operands but the consts
-    (its first ``loop.n_consts``), and of the step's carry, xs and key (the inputs after its
-    consts) and outputs and the stop predicate's inputs, as traced. A const's axes count only
+    """The manual axes a kernel's loop state varies over: those of its operands but the consts,
+    and of the step's carry, xs and key and outputs and the stop predicate's inputs, as
+    traced. A const's axes count only
     through the step's outputs: a weight split over ``model`` whose products the step sums over
     ``model`` (``lax.psum``) leaves the state replicated over ``model``.
 
@@ -147,21 +147,21 @@ def _state_axes(kind: str, params: dict, avals: tuple) -> _vma.StateAxes:
     over it unlike the leaf's cotangent, and casting the cotangent would count it once per
     device of that axis."""
     loop = params["loop"]
-    nk, nc = loop.n_consts, len(loop.carry_avals)
-    traced = [loop.step_jaxpr.in_avals[nk:], loop.step_jaxpr.out_avals]
-    if loop.cond_jaxpr is not None:
-        traced.append(loop.cond_jaxpr.in_avals)
-    axes = _vma.state_axes_of([list(avals[nk:]), traced])
-    outs = loop.step_jaxpr.out_avals[:nc]
+    step_out = loop.step_jaxpr.out_avals[: len(loop.carry_avals)]  # (the new carry)
     if kind == "bwd":
-        bwd = BwdOperands.split(avals, loop, params["pert"], params["plan"])
-        uneven, leaves = [bwd.res.steps], [[b] for b in bwd.res.stored.buf]
+        ops = BwdOperands.split(avals, loop, params["pert"], params["plan"])
+        uneven, leaves = [ops.res.steps], [[b] for b in ops.res.stored.buf]
     else:
         ops = LoopOperands.split(avals, loop)
         uneven = [ops.n]
         if loop.cond_jaxpr is not None:
-            uneven += [ops.cconsts, ops.init, loop.cond_jaxpr.in_avals, outs]
-        leaves = [[i, o] for i, o in zip(ops.init, outs, strict=True)]
+            uneven += [ops.cconsts, ops.init, loop.cond_jaxpr.in_avals, step_out]
+        leaves = [[i, o] for i, o in zip(ops.init, step_out, strict=True)]
+    # The step's inputs after its consts: its carry, x and key.
+    traced = [loop.step_jaxpr.in_avals[loop.n_consts :], loop.step_jaxpr.out_avals]
+    if loop.cond_jaxpr is not None:
+        traced.append(loop.cond_jaxpr.in_avals)
+    axes = _vma.state_axes_of([dataclasses.replace(ops, consts=[]).flat(), traced])
     local = set(_vma.state_axes_of(uneven))
     if leaves:
         local |= set.intersection(*(set(_vma.state_axes_of(leaf)) for leaf in leaves))
@@ -345,7 +345,7 @@ def _plan_for(loop: Loop, pert: Perturbed, consts, xs, kd):
     un-jitted loop's forward and backward passes again at every call."""
     types = tuple((jax.typeof(a), getattr(jax.typeof(a), "sharding", None))
                   for a in [*consts, *xs] + ([] if kd is None else [kd]))  # fmt: skip
-    key = (pert, types, kd is None, _vma.manual_axes(), jax.sharding.get_abstract_mesh())
+    key = (pert, types, kd is None, _sharding.manual_axes(), jax.sharding.get_abstract_mesh())
     table = _PLANS.setdefault(loop, {})
     if key not in table:
         table[key] = residual_plan(loop, pert, consts, xs, kd)

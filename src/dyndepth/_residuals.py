@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _budget, _vma
+from . import _budget, _sharding, _vma
 from ._derivative import Perturbed
 from ._leaves import merge, take
 from ._step import Loop, step_consts
@@ -65,7 +65,7 @@ def step_vjp(loop: Loop, pert: Perturbed, consts: Sequence[Any], carry: Sequence
 def residual_plan(loop: Loop, pert: Perturbed, consts, xs, kd) -> ResidualPlan | None:
     """Plan the stored-residual path of an unbatched loop, or ``None`` where it does not apply
     (checkpoint thinning, inside ``shard_map``, or residuals over the budget)."""
-    if _budget.fitted(loop, ()).thinning or _vma.manual_axes() or not pert.any:
+    if _budget.fitted(loop, ()).thinning or _sharding.manual_axes() or not pert.any:
         return None
     found = {}
 

@@ -33,7 +33,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import _cost, _vma
+from . import _cost, _sharding, _vma
 from ._batched import const_accumulators, rows_vjp, stats_of, store_state
 from ._derivative import Perturbed
 from ._leaves import where_rows
@@ -285,7 +285,7 @@ def forward_wrapped(loop: Loop, consts, c_axes, cconsts, cc_axes, init, xs, n, k
         b=wrap.first,
         c=[_rows(c, wrap.first) for c in init],
         cur=list(init),
-        ys=[_vma.zeros((B, T), a) for a in loop.y_avals],
+        ys=[_sharding.zeros((B, T), a) for a in loop.y_avals],
     )
     if store:
         state.update(store_state(loop, init, B))
@@ -447,11 +447,11 @@ def _refill_state(loop: Loop, init, order, num_work, S: int, store: bool) -> dic
         iters=jnp.zeros((), jnp.int32),
         out=list(init),
         steps=jnp.zeros((B,), jnp.int32),
-        ys=[_vma.zeros((B, T), a) for a in loop.y_avals],
+        ys=[_sharding.zeros((B, T), a) for a in loop.y_avals],
     )
     if store:
         K = loop.slots_stored
-        buf = [_vma.zeros((B, K), a) for a in loop.carry_avals]
+        buf = [_sharding.zeros((B, K), a) for a in loop.carry_avals]
         state["buf"] = [b.at[:, 0].set(c) for b, c in zip(buf, init, strict=True)]
         state["count"] = jnp.zeros((B,), jnp.int32)
         state["stride"] = jnp.ones((B,), jnp.int32)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from . import _batched, _vma
+from . import _batched, _sharding, _vma
 from ._derivative import Perturbed
 from ._leaves import at_index, expand, put_index, squeeze, take
 from ._residuals import ResidualPlan, pullback_of, step_vjp, stored_leaves
@@ -41,9 +41,9 @@ def forward(loop: Loop, consts, cconsts, init, xs, n, kd, *, store: bool,
 
     i0 = jnp.zeros((), jnp.int32)
     state = dict(i=i0, act=active(i0, init), carry=list(init),
-                 ys=[_vma.zeros((T,), a) for a in loop.y_avals])  # fmt: skip
+                 ys=[_sharding.zeros((T,), a) for a in loop.y_avals])  # fmt: skip
     if store:
-        state["buf"] = [_vma.zeros((T,), a) for a in loop.carry_avals]
+        state["buf"] = [_sharding.zeros((T,), a) for a in loop.carry_avals]
         state["ext"] = _no_ext(loop, plan)
 
     def body(s):
@@ -71,7 +71,7 @@ def forward(loop: Loop, consts, cconsts, init, xs, n, kd, *, store: bool,
 
 
 def _no_ext(loop: Loop, plan: ResidualPlan | None):
-    return [] if plan is None else [_vma.zeros((loop.max_steps,), a) for a in plan.stored]
+    return [] if plan is None else [_sharding.zeros((loop.max_steps,), a) for a in plan.stored]
 
 
 def backward(loop: Loop, pert: Perturbed, plan: ResidualPlan | None, consts, xs, kd, res, steps,

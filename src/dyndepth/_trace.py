@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _vma
+from . import _sharding, _vma
 from ._checks import same_structure
 from ._keys import KeySchedule, is_typed_key
 from ._leaves import Leaves
@@ -118,7 +118,7 @@ def _example(x: Any, drop_lead: bool) -> Any:
     t = jax.typeof(x)
     shape = t.shape[1:] if drop_lead else t.shape
     sharding = getattr(t, "sharding", None)
-    if (not _vma.manual_axes() and isinstance(sharding, jax.sharding.NamedSharding)
+    if (not _sharding.manual_axes() and isinstance(sharding, jax.sharding.NamedSharding)
             and not sharding.mesh.empty):  # fmt: skip
         if drop_lead:
             sharding = sharding.update(spec=tuple(sharding.spec)[1:])

@@ -14,9 +14,9 @@ only, as a ``lax.fori_loop``'s would, so ``out_specs=P("data")`` type-checks.
 Outside ``shard_map`` there are no manual axes and every wrapper is the plain ``lax`` function.
 A per-device loop is what we want there anyway: each device schedules its own shard.
 
-Under plain ``jit`` with mesh axes of type ``Explicit``, arrays are typed with their shardings.
-:func:`mesh_context` and :func:`zeros` give dyndepth's own buffers the types of the values
-written into them (``dyndepth._per_device`` runs a batched loop once per device).
+The jaxpr re-interpreter :func:`eval_jaxpr` evaluates a traced step for the types its inputs
+have at run time. Values typed with shardings on ``Explicit`` mesh axes are
+:mod:`dyndepth._sharding`'s.
 """
 
 from __future__ import annotations
@@ -30,16 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _compat
-
-
-def manual_axes() -> tuple[str, ...]:
-    """The manual mesh axes of the enclosing ``shard_map`` (empty outside one)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return ()
-    return tuple(mesh.manual_axes)
-
+from . import _compat, _sharding
 
 # The state axes of the loop being traced, with the manual axes they were chosen among; None:
 # every manual axis (no loop set them, or a shard_map was entered since: dyndepth's own
@@ -66,7 +57,7 @@ class StateAxes(tuple):
 def state_axes() -> tuple[str, ...]:
     """The manual axes a loop's state varies over: those set by :func:`loop_state_axes` for the
     loop being traced, else every manual axis."""
-    axes = manual_axes()
+    axes = _sharding.manual_axes()
     chosen = _STATE_AXES.get()
     if chosen is None or chosen[0] != axes:
         return axes
@@ -76,7 +67,7 @@ def state_axes() -> tuple[str, ...]:
 def local_axes() -> tuple[str, ...]:
     """The manual axes over which a const's cotangent stays local inside the loop being traced
     (:class:`StateAxes`; the state axes when none were set)."""
-    axes = manual_axes()
+    axes = _sharding.manual_axes()
     chosen = _STATE_AXES.get()
     if chosen is None or chosen[0] != axes:
         return axes
@@ -85,7 +76,7 @@ def local_axes() -> tuple[str, ...]:
 
 def state_axes_of(leaves: Any) -> tuple[str, ...]:
     """The manual axes any of ``leaves`` (values or abstract values) varies over, in mesh order."""
-    axes = manual_axes()
+    axes = _sharding.manual_axes()
     if not axes:
         return ()
     found = frozenset().union(*(_leaf_varying(x) for x in jax.tree_util.tree_leaves(leaves)))
@@ -102,7 +93,7 @@ def _leaf_varying(x: Any) -> frozenset:
 def loop_state_axes(axes: tuple[str, ...]):
     """Trace a loop whose state varies over ``axes`` (see the module docstring)."""
     kept = axes if isinstance(axes, StateAxes) else tuple(axes)
-    token = _STATE_AXES.set((manual_axes(), kept))
+    token = _STATE_AXES.set((_sharding.manual_axes(), kept))
     try:
         yield
     finally:
@@ -264,7 +255,7 @@ def eval_jaxpr(jaxpr: Any, consts: list, *args: Any) -> list:
     traced anew (a call is inlined: the same computation, but a custom derivative rule of such
     a call no longer applies).
     """
-    if not manual_axes():
+    if not _sharding.manual_axes():
         return jax.core.eval_jaxpr(jaxpr, consts, *args)
     from jax.extend.core import Literal
 
@@ -294,7 +285,7 @@ def eval_jaxpr(jaxpr: Any, consts: list, *args: Any) -> list:
             # mesh, and lowering the primitive under it fails for varying values.
             with _compat.equation_context(eqn, mesh):
                 outs = _compat.bind_equation(
-                    eqn, invals, lambda p: _without_other_mesh(p, mesh),
+                    eqn, invals, lambda p: _sharding.without_other_mesh(p, mesh),
                     lambda j, c, a: eval_jaxpr(j, c, *a),
                 )  # fmt: skip
             if not eqn.primitive.multiple_results:
@@ -304,74 +295,15 @@ def eval_jaxpr(jaxpr: Any, consts: list, *args: Any) -> list:
     return [read(v) for v in jaxpr.outvars]
 
 
-def _without_other_mesh(params: dict, mesh: Any) -> dict:
-    """``params`` with a sharding on another mesh made one on ``mesh``. A step traced under
-    ``jit`` with ``Explicit`` mesh axes records shardings on that mesh (``vmap`` over rows
-    broadcasts with one; ``jax.sharding.reshard`` names its target); inside the per-device
-    ``shard_map`` the same operation runs on a device's rows, where the axes that split the
-    batch are manual: an output sharding or a reshard's target keeps its other axes (a
-    tensor-parallel ``model`` axis; a matmul contracted over ``model`` needs its output
-    sharding), one that is not a ``NamedSharding`` is dropped (None: inferred)."""
-    out = dict(params)
-    for name, value in params.items():
-        other = getattr(value, "mesh", None)
-        if other is None or getattr(other, "abstract_mesh", other) == mesh:
-            continue
-        if isinstance(value, jax.sharding.NamedSharding):
-            manual = set(manual_axes())
-            out[name] = jax.sharding.NamedSharding(mesh, _spec_without(value.spec, manual))
-        elif name in ("sharding", "out_sharding"):
-            out[name] = None
-    return out
-
-
-def axes_of(entry: Any) -> tuple[str, ...]:
-    """The mesh axes that one entry of a ``PartitionSpec`` names: none for ``None``, one for a
-    name, several for a tuple."""
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
-
-
-def _spec_without(spec: Any, axes: set[str]) -> Any:
-    def keep(entry):
-        left = tuple(n for n in axes_of(entry) if n not in axes)
-        return None if not left else (left if isinstance(entry, tuple) else left[0])
-
-    return jax.sharding.PartitionSpec(*(keep(e) for e in spec))
-
-
 def _has_jaxpr(p: Any) -> bool:
     if isinstance(p, tuple | list):
         return any(_has_jaxpr(q) for q in p)
     return hasattr(p, "jaxpr") or hasattr(p, "eqns")
 
 
-def explicit_batch_axes(x: Any) -> tuple[Any, tuple[str, ...]]:
-    """``(mesh, axes)`` when the leading axis of ``x`` is sharded over ``Explicit`` mesh axes.
-
-    That is how ``jax.jit`` sees a batch placed with ``jax.device_put(x, NamedSharding(mesh,
-    P("data")))`` on a mesh from ``jax.make_mesh`` (whose axes are ``Explicit`` by default).
-    ``(None, ())`` otherwise: unsharded, ``Auto`` axes (the sharding is not part of the type
-    then) or already inside ``shard_map``.
-    """
-    try:
-        sharding = jax.typeof(x).sharding
-        mesh, spec = sharding.mesh, sharding.spec
-    except AttributeError:
-        return None, ()
-    if mesh.empty or not len(spec) or spec[0] is None:
-        return None, ()
-    lead = axes_of(spec[0])
-    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    if manual_axes() or any(types.get(a) != jax.sharding.AxisType.Explicit for a in lead):
-        return None, ()
-    return mesh, tuple(lead)
-
-
 def varying_of(leaves: Any) -> list[frozenset]:
     """``varying`` of each leaf (empty sets outside ``shard_map``)."""
-    if not manual_axes():
+    if not _sharding.manual_axes():
         return [frozenset()] * len(leaves)
     return [varying(x) for x in leaves]
 
@@ -383,7 +315,7 @@ def unvary_to(cts: list, vmas: list[frozenset]) -> list:
     the gradient of a parameter replicated over the devices is the sum of the per-device
     gradients.
     """
-    if not manual_axes():
+    if not _sharding.manual_axes():
         return cts
 
     def one(ct, vma):
@@ -424,7 +356,7 @@ def _settled(body: Callable, init: Any, *rest: Any) -> tuple[Any, Callable]:
     leaf of ``init``) make it vary over, until none widens (a fixed point: at most one round
     per axis), and ``body`` traced once for those types, those outputs cast to them."""
     n = len(jax.tree_util.tree_leaves(init))
-    for _ in range(len(manual_axes()) + 1):
+    for _ in range(len(_sharding.manual_axes()) + 1):
         run, out = _traced(body, init, *rest)
         have = [varying(x) for x in jax.tree_util.tree_leaves(init)]
         want = [h | o for h, o in zip(have, out[:n], strict=True)]
@@ -443,7 +375,7 @@ def while_loop(cond: Callable, body: Callable, init: Any) -> Any:
     """``lax.while_loop``; inside ``shard_map``, each state leaf typed as varying over the axes
     the loop makes it vary over (and no more), so that the outputs are typed as narrowly as a
     ``lax.while_loop`` written for those types."""
-    if not manual_axes():
+    if not _sharding.manual_axes():
         return lax.while_loop(cond, body, init)
     init, body = _settled(body, init)
     return lax.while_loop(cond, body, init)
@@ -451,7 +383,7 @@ def while_loop(cond: Callable, body: Callable, init: Any) -> Any:
 
 def scan(body: Callable, init: Any, xs: Any, **kwargs: Any) -> Any:
     """``lax.scan``, typed inside ``shard_map`` as :func:`while_loop` is."""
-    if not manual_axes():
+    if not _sharding.manual_axes():
         return lax.scan(body, init, xs, **kwargs)
     # One step's slice of ``xs``, abstract: a scan may have no steps.
     x_step = jax.tree_util.tree_map(lambda a: jax.typeof(a).update(shape=a.shape[1:]), xs)
@@ -462,7 +394,7 @@ def scan(body: Callable, init: Any, xs: Any, **kwargs: Any) -> Any:
 def switch(index: Any, branches: list[Callable], *operands: Any) -> Any:
     """``lax.switch``; inside ``shard_map``, every branch's outputs typed as varying over the
     axes any branch's do."""
-    if not manual_axes():
+    if not _sharding.manual_axes():
         return lax.switch(index, branches, *operands)
     traced = [_traced(b, *operands) for b in branches]
     types = [frozenset().union(*t) for t in zip(*(out for _, out in traced), strict=True)]
@@ -473,92 +405,6 @@ def switch(index: Any, branches: list[Callable], *operands: Any) -> Any:
 
 def cond(pred: Any, true_fn: Callable, false_fn: Callable, *operands: Any) -> Any:
     """``lax.cond``, typed inside ``shard_map`` as :func:`switch` is."""
-    if not manual_axes():
+    if not _sharding.manual_axes():
         return lax.cond(pred, true_fn, false_fn, *operands)
     return switch(jnp.asarray(pred, jnp.int32), [false_fn, true_fn], *operands)
-
-
-def type_mesh(leaves: Any) -> Any:
-    """The (abstract) mesh that some leaf's type carries, or None: under ``jit``, an array placed
-    with a ``NamedSharding`` on a mesh with ``Explicit`` axes is typed with that mesh."""
-    for x in jax.tree_util.tree_leaves(leaves):
-        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-        if mesh is not None and not mesh.empty:
-            return mesh
-    return None
-
-
-def zeros(lead: tuple[int, ...], aval: Any) -> Any:
-    """``jnp.zeros(lead + aval.shape, aval.dtype)``, typed like ``aval`` on its trailing axes
-    (the ``lead`` axes unsharded) when ``aval`` carries a ``NamedSharding`` on a mesh, outside
-    ``shard_map``: a buffer that values of type ``aval`` can be written into under ``jit`` with
-    Explicit mesh axes. Plain zeros otherwise."""
-    shape = tuple(lead) + tuple(aval.shape)
-    sharding = getattr(aval, "sharding", None)
-    if (
-        isinstance(sharding, jax.sharding.NamedSharding)
-        and not sharding.mesh.empty
-        and not manual_axes()
-    ):
-        spec = tuple(sharding.spec) + (None,) * (len(aval.shape) - len(sharding.spec))
-        target = jax.sharding.NamedSharding(
-            sharding.mesh, jax.sharding.PartitionSpec(*([None] * len(lead)), *spec)
-        )
-        return jax.numpy.zeros(shape, aval.dtype, out_sharding=target)
-    return jax.numpy.zeros(shape, aval.dtype)
-
-
-def typed_like(x: Any, ref: Any) -> Any:
-    """``x`` resharded like ``ref`` when ``ref``'s type carries a sharding on a mesh that ``x``'s
-    does not match (outside ``shard_map``); ``x`` otherwise."""
-    want = getattr(jax.typeof(ref), "sharding", None)
-    have = getattr(jax.typeof(x), "sharding", None)
-    if (
-        not isinstance(want, jax.sharding.NamedSharding)
-        or want.mesh.empty
-        or manual_axes()
-        or jax.typeof(x).shape != jax.typeof(ref).shape
-        or have == want
-    ):
-        return x
-    return jax.sharding.reshard(x, want)
-
-
-def typed_aval(x: Any, drop_lead: bool = False) -> Any:
-    """``x``'s shape, dtype and, for an array typed with a mesh, its sharding; with
-    ``drop_lead``, of one entry along the leading axis."""
-    t = jax.typeof(x)
-    shape = t.shape[1:] if drop_lead else t.shape
-    sharding = getattr(t, "sharding", None)
-    if isinstance(sharding, jax.sharding.NamedSharding) and not sharding.mesh.empty:
-        if drop_lead:
-            sharding = sharding.update(spec=tuple(sharding.spec)[1:])
-        return jax.ShapeDtypeStruct(shape, t.dtype, sharding=sharding)
-    return jax.ShapeDtypeStruct(shape, t.dtype)
-
-
-def mesh_typed(leaves: Any) -> bool:
-    return type_mesh(leaves) is not None
-
-
-@contextlib.contextmanager
-def mesh_context(leaves: Any):
-    """Make the mesh that the leaves' types carry the context mesh, when none is set, for the
-    duration: arrays dyndepth creates (``jnp.zeros`` buffers) then have the same type as the
-    values written into them, as under ``jax.set_mesh``."""
-    mesh = type_mesh(leaves) if jax.sharding.get_abstract_mesh().empty else None
-    if mesh is None:
-        yield
-    else:
-        with jax.sharding.use_abstract_mesh(mesh):
-            yield
-
-
-def batch_mesh(leaves: Any) -> tuple[Any, tuple[str, ...]]:
-    """:func:`explicit_batch_axes` of the first leaf of ``leaves`` whose leading axis is
-    sharded over ``Explicit`` mesh axes; ``(None, ())`` if none is."""
-    for x in jax.tree_util.tree_leaves(leaves):
-        mesh, axes = explicit_batch_axes(x)
-        if mesh is not None:
-            return mesh, axes
-    return None, ()

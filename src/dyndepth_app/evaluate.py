@@ -206,19 +206,22 @@ def budgets(m, per_bit):
 
 
 def adaptive_dyndepth(params, dilations, patience, max_steps, x, m, cap):
-    """``dyndepth.while_loop`` under ``vmap``: ``(pred (B, L), steps (B,))``."""
+    """``dyndepth.while_loop`` under ``vmap``: ``(pred (B, L), steps (B,), executed)``,
+    ``executed`` the sample-iterations its loop ran (``return_stats``)."""
 
     def one(x, m, cap):
-        carry, steps = dyndepth.while_loop(
+        carry, steps, stats = dyndepth.while_loop(
             stop_cond(patience),
             stop_body(params, dilations),
             stop_init(params, x, m, cap),
             max_steps=max_steps,
             return_steps=True,
+            return_stats=True,
         )
-        return carry[3], steps
+        return carry[3], steps, stats["executed_sample_steps"]
 
-    return jax.vmap(one)(x, m, cap)
+    pred, steps, executed = jax.vmap(one)(x, m, cap)
+    return pred, steps, executed[0]  # (one loop for the batch: every sample has its figure)
 
 
 def adaptive_lax(params, dilations, patience, max_steps, x, m, cap):
@@ -245,29 +248,11 @@ def fixed_count(params, dilations, iters, x, m):
     return jnp.argmax(head(params, h, m, conv_eval), axis=-1).astype(jnp.int32)
 
 
-def _count_executed(params, dilations, patience, max_steps, x, m, cap):
-    """The adaptive run with a callback in the loop body that counts its evaluations per
-    sample slot (under the scheduler a ``jax.debug.callback`` with a batched argument is
-    called once per slot and iteration): ``(pred, steps, executed sample-iterations)``."""
-    count = [0]
-    body = stop_body(params, dilations)
-
-    def counted(carry):
-        jax.debug.callback(lambda s: count.__setitem__(0, count[0] + 1), carry[4])
-        return body(carry)
-
-    def one(x, m, cap):
-        carry, steps = dyndepth.while_loop(
-            stop_cond(patience),
-            counted,
-            stop_init(params, x, m, cap),
-            max_steps=max_steps,
-            return_steps=True,
-        )
-        return carry[3], steps
-
-    pred, steps = jax.block_until_ready(jax.jit(jax.vmap(one))(x, m, cap))
-    return np.asarray(pred), np.asarray(steps), count[0]
+def _first_run(params, dilations, patience, max_steps, x, m, cap):
+    """The adaptive run, untimed: ``(pred, steps, executed sample-iterations)``."""
+    fn = jax.jit(lambda p, x, m, c: adaptive_dyndepth(p, dilations, patience, max_steps, x, m, c))
+    pred, steps, executed = jax.block_until_ready(fn(params, x, m, cap))
+    return np.asarray(pred), np.asarray(steps), int(executed)
 
 
 def _timed(contenders, repeats):
@@ -357,10 +342,10 @@ def adaptive_eval(params, cfg, *, max_length=None, batch=None, key=None, repeats
     s = _Strings(cfg, max_length, batch, key)
     dil, patience, max_steps = tuple(cfg.dilations), cfg.patience, int(s.cap.max())
 
-    # 1. The adaptive runs, counting the sample-iterations the scheduler executes (untimed).
+    # 1. The adaptive runs, with the sample-iterations the scheduler executes (untimed).
     check_interrupt("interrupted during the adaptive evaluation")
-    pred, steps, executed_drawn = _count_executed(params, dil, patience, max_steps, s.x, s.m, s.cap)
-    pred_sorted, steps_sorted, executed_sorted = _count_executed(
+    pred, steps, executed_drawn = _first_run(params, dil, patience, max_steps, s.x, s.m, s.cap)
+    pred_sorted, steps_sorted, executed_sorted = _first_run(
         params, dil, patience, max_steps, *s.sorted_args()
     )
     solved = s.solved(pred)
@@ -388,8 +373,8 @@ def adaptive_eval(params, cfg, *, max_length=None, batch=None, key=None, repeats
         repeats,
     )
     t_fix, t_sorted, t_drawn, t_lax = (timings[k] for k in ("fixed", "sorted", "drawn", "lax"))
-    p_sorted, s_sorted = t_sorted[0]
-    p_drawn, s_drawn = t_drawn[0]
+    p_sorted, s_sorted, _ = t_sorted[0]
+    p_drawn, s_drawn, _ = t_drawn[0]
     p_lax, s_lax = t_lax[0]
     rows = [
         _row(

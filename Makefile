@@ -36,7 +36,7 @@ test-full: lint
 	DYNDEPTH_FULL=1 $(PY) -m pytest $(PYTEST_ARGS) tests
 
 demo: venv
-	$(PY) -m dyndepth demo
+	$(PY) -m dyndepth_app demo
 
 bench: venv
 	$(PY) benchmarks/bench.py

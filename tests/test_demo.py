@@ -5,6 +5,7 @@ several processes (`--coordinator`, `dyndepth launch`): two local processes agai
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -520,10 +521,22 @@ def test_two_processes_resume_and_train_as_one(tmp_path):
     assert got["figures"]["steps_run"] == want_figures["steps_run"] == 1
     _same_training(got, want_params, want_figures, devices=2)
     assert train.load_checkpoint(str(out0 / "alpha=1.ckpt.npz"))[2] == 2
-    assert all(ln.startswith("[Gloo]") for ln in out_1.splitlines()), out_1[-2000:]
+    assert _only_gloo_chatter(out_1), out_1[-2000:]
     # The progress: process 0's only (a bar on a terminal; piped, as here, a log line on stdout)
     assert "alpha=1" in out_0 + err_0 and "alpha=1" not in out_1 + err_1
     assert not out1.exists()
+
+
+_GLOO = re.compile(
+    r"\[Gloo\] Rank |\d+ is connected to \d+ peer ranks\. "
+    r"Expected number of connected peer ranks is : \d+"
+)
+
+
+def _only_gloo_chatter(text: str) -> bool:
+    """Whether ``text`` (a non-reporting process's output) holds nothing but Gloo's connection
+    messages, which its threads may write interleaved ("[Gloo] Rank [Gloo] Rank 2 is ...")."""
+    return not _GLOO.sub("", text).strip()
 
 
 @pytest.mark.slow
@@ -539,7 +552,7 @@ def test_launch_two_processes_matches_one_process(tmp_path, capfd):
     assert "data-parallel over 4 devices of 2 processes" in text
     assert "per-device utilisation over 3 steps on 4 device(s)" in text
     log1 = (logs / "process-1.log").read_text()
-    assert all(ln.startswith("[Gloo]") for ln in log1.splitlines()), log1[-2000:]
+    assert _only_gloo_chatter(log1), log1[-2000:]
 
     report = json.loads((out / "results.json").read_text())
     assert report["processes"] == 2 and report["devices"] == 4

@@ -19,7 +19,7 @@ Binding order:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._derivative import Perturbed
@@ -48,6 +48,14 @@ class _Cursor:
             raise ValueError(f"{len(self.flat) - self.pos} operands left over")
 
 
+def _whole(flat: Sequence[Any], read: Callable[[_Cursor], Any]) -> Any:
+    """``read`` over all of ``flat``: an error if it leaves operands over."""
+    cut = _Cursor(flat)
+    out = read(cut)
+    cut.done()
+    return out
+
+
 def n_stored(plan: ResidualPlan | None) -> int:
     """How many stored-residual buffers a forward pass with ``plan`` keeps."""
     return 0 if plan is None else len(plan.stored)
@@ -66,13 +74,14 @@ class LoopOperands:
     kd: Any
 
     @staticmethod
+    def read(cut: _Cursor, loop: Loop) -> LoopOperands:
+        return LoopOperands(cut.group(loop.n_consts), cut.group(loop.n_cconsts),
+                            cut.group(len(loop.carry_avals)), cut.group(len(loop.x_avals)),
+                            cut.one(), cut.one())  # fmt: skip
+
+    @staticmethod
     def split(flat: Sequence[Any], loop: Loop) -> LoopOperands:
-        cut = _Cursor(flat)
-        ops = LoopOperands(cut.group(loop.n_consts), cut.group(loop.n_cconsts),
-                           cut.group(len(loop.carry_avals)), cut.group(len(loop.x_avals)),
-                           cut.one(), cut.one())  # fmt: skip
-        cut.done()
-        return ops
+        return _whole(flat, lambda cut: LoopOperands.read(cut, loop))
 
     def flat(self) -> list:
         return [*self.consts, *self.cconsts, *self.init, *self.xs, self.n, self.kd]
@@ -109,12 +118,9 @@ class LoopOutputs:
 
     @staticmethod
     def split(flat: Sequence[Any], loop: Loop, store: bool, n_ext: int = 0) -> LoopOutputs:
-        cut = _Cursor(flat)
-        outs = LoopOutputs(cut.group(len(loop.carry_avals)), cut.group(len(loop.y_avals)),
-                           cut.one(), cut.one(),
-                           Stored.read(cut, loop, n_ext) if store else None)  # fmt: skip
-        cut.done()
-        return outs
+        return _whole(flat, lambda cut: LoopOutputs(
+            cut.group(len(loop.carry_avals)), cut.group(len(loop.y_avals)), cut.one(), cut.one(),
+            Stored.read(cut, loop, n_ext) if store else None))  # fmt: skip
 
     def flat(self) -> list:
         rest = [] if self.stored is None else self.stored.flat()
@@ -151,13 +157,13 @@ class LinOperands:
     @staticmethod
     def split(flat: Sequence[Any], loop: Loop, pert: Perturbed, plan: ResidualPlan | None,
               keep: bool) -> LinOperands:  # fmt: skip
-        cut = _Cursor(flat)
-        primal = LoopOperands.split(cut.group(_n_loop_operands(loop)), loop)
-        res = Residuals.read(cut, loop, n_stored(plan)) if keep else None
-        ops = LinOperands(primal, res, cut.group(sum(pert.consts)), cut.group(sum(pert.carry)),
-                          cut.group(sum(pert.xs)))  # fmt: skip
-        cut.done()
-        return ops
+        def read(cut):  # (in binding order: the loop's operands, then the residuals)
+            primal = LoopOperands.read(cut, loop)
+            res = Residuals.read(cut, loop, n_stored(plan)) if keep else None
+            return LinOperands(primal, res, cut.group(sum(pert.consts)),
+                               cut.group(sum(pert.carry)), cut.group(sum(pert.xs)))  # fmt: skip
+
+        return _whole(flat, read)
 
     def flat(self) -> list:
         res = [] if self.res is None else self.res.flat()
@@ -173,10 +179,8 @@ class Tangents:
 
     @staticmethod
     def split(flat: Sequence[Any], pert: Perturbed) -> Tangents:
-        cut = _Cursor(flat)
-        out = Tangents(cut.group(sum(pert.carry)), cut.group(sum(pert.ys)))
-        cut.done()
-        return out
+        return _whole(flat, lambda cut: Tangents(cut.group(sum(pert.carry)),
+                                                 cut.group(sum(pert.ys))))  # fmt: skip
 
     def flat(self) -> list:
         return [*self.carry, *self.ys]
@@ -197,12 +201,10 @@ class BwdOperands:
     @staticmethod
     def split(flat: Sequence[Any], loop: Loop, pert: Perturbed,
               plan: ResidualPlan | None) -> BwdOperands:  # fmt: skip
-        cut = _Cursor(flat)
-        ops = BwdOperands(cut.group(loop.n_consts), cut.group(len(loop.x_avals)), cut.one(),
-                          Residuals.read(cut, loop, n_stored(plan)), cut.group(sum(pert.carry)),
-                          cut.group(sum(pert.ys)))  # fmt: skip
-        cut.done()
-        return ops
+        return _whole(flat, lambda cut: BwdOperands(
+            cut.group(loop.n_consts), cut.group(len(loop.x_avals)), cut.one(),
+            Residuals.read(cut, loop, n_stored(plan)), cut.group(sum(pert.carry)),
+            cut.group(sum(pert.ys))))  # fmt: skip
 
     def flat(self) -> list:
         return [*self.consts, *self.xs, self.kd, *self.res.flat(), *self.ct_carry, *self.ct_ys]
@@ -218,15 +220,9 @@ class Cotangents:
 
     @staticmethod
     def split(flat: Sequence[Any], pert: Perturbed) -> Cotangents:
-        cut = _Cursor(flat)
-        out = Cotangents(cut.group(sum(pert.consts)), cut.group(sum(pert.carry)),
-                         cut.group(sum(pert.xs)))  # fmt: skip
-        cut.done()
-        return out
+        return _whole(flat, lambda cut: Cotangents(cut.group(sum(pert.consts)),
+                                                   cut.group(sum(pert.carry)),
+                                                   cut.group(sum(pert.xs))))  # fmt: skip
 
     def flat(self) -> list:
         return [*self.consts, *self.init, *self.xs]
-
-
-def _n_loop_operands(loop: Loop) -> int:
-    return loop.n_consts + loop.n_cconsts + len(loop.carry_avals) + len(loop.x_avals) + 2

@@ -84,6 +84,13 @@ def _run(kind: StepKind, fn: Callable, cond_fn: Callable | None, init: Any, xs: 
     return traced.carry_out(carry), traced.ys_out(ys), steps, stats
 
 
+def _work_stats(stats: jax.Array) -> dict:
+    """A loop's ``[iterations, executed sample-steps]`` (one row per device where the devices
+    report apart) as the ``return_stats`` dict: the longest loop, the sum of the work."""
+    stats = stats.reshape(-1, 2)
+    return {"iterations": jnp.max(stats[:, 0]), "executed_sample_steps": jnp.sum(stats[:, 1])}
+
+
 def _carry_kind(with_key: bool, fname: str) -> StepKind:
     return StepKind(with_x=False, with_key=with_key, with_stacked=False, returns_y=False,
                     fname=fname)  # fmt: skip
@@ -454,9 +461,7 @@ def while_loop(
     )  # fmt: skip
     out = [carry] + ([steps] if return_steps else [])
     if return_stats:
-        stats = stats.reshape(-1, 2)  # (one row per device where the devices report apart)
-        out.append({"iterations": jnp.max(stats[:, 0]),
-                    "executed_sample_steps": jnp.sum(stats[:, 1])})  # fmt: skip
+        out.append(_work_stats(stats))
     return out[0] if len(out) == 1 else tuple(out)
 
 
@@ -562,8 +567,7 @@ def repeat_batched(
     stats = stats.reshape(-1, 2)
     useful = jnp.sum(depths.reshape(stats.shape[0], -1), axis=1)
     return carry, {
-        "iterations": jnp.max(stats[:, 0]),
-        "executed_sample_steps": jnp.sum(stats[:, 1]),
+        **_work_stats(stats),
         "useful_sample_steps": jnp.sum(depths),
         "per_device_executed_sample_steps": stats[:, 1],
         "per_device_useful_sample_steps": useful,

@@ -8,7 +8,10 @@ can fail.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from typing import Any
 
 import jax
@@ -27,6 +30,17 @@ def simulated_devices_env(count: int, **extra: str) -> dict[str, str]:
              if not f.startswith("--xla_force_host_platform_device_count")]  # fmt: skip
     flags.append(f"--xla_force_host_platform_device_count={count}")
     return dict(os.environ, XLA_FLAGS=" ".join(flags), **extra)
+
+
+def run_on_eight_devices(script: str, timeout: int = 600) -> Any:
+    """Run ``script`` in a fresh process with 8 simulated CPU devices: the JSON of the line it
+    prints after ``RESULT``. A hang fails the calling test after ``timeout`` seconds rather
+    than the suite."""
+    proc = subprocess.run([sys.executable, "-c", script], env=simulated_devices_env(8),
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
+    return json.loads(line[len("RESULT") :])
 
 
 # ----------------------------------------------------------------------------- comparison

@@ -16,7 +16,8 @@ starts).
 import textwrap
 
 import jax.numpy as jnp
-from test_shard import LOOP_HLO, run_on_eight_devices
+from helpers import run_on_eight_devices
+from test_shard import LOOP_HLO
 
 from dyndepth import _schedule
 

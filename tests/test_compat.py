@@ -15,9 +15,14 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import reference_repeat, reference_scan, reference_while, tree_allclose
+from helpers import (
+    reference_repeat,
+    reference_scan,
+    reference_while,
+    run_on_eight_devices,
+    tree_allclose,
+)
 from jax import lax
-from test_shard import run_on_eight_devices
 
 import dyndepth as dd
 from dyndepth import _compat

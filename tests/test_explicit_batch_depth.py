@@ -12,7 +12,7 @@ starts).
 
 import textwrap
 
-from test_shard import run_on_eight_devices
+from helpers import run_on_eight_devices
 
 SCRIPT = textwrap.dedent(
     """

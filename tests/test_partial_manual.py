@@ -9,12 +9,9 @@ The checks run in a subprocess with 8 simulated CPU devices and a timeout, so th
 that hangs fails this test instead of hanging the suite.
 """
 
-import json
-import subprocess
-import sys
 import textwrap
 
-from helpers import simulated_devices_env
+from helpers import run_on_eight_devices
 
 SCRIPT = textwrap.dedent(
     """
@@ -96,16 +93,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_partial_manual_shard_map_raises_at_trace_time():
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        env=simulated_devices_env(8),
-        capture_output=True,
-        text=True,
-        timeout=600,  # a hang fails the test rather than the suite
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
-    out = json.loads(line[len("RESULT") :])
+    out = run_on_eight_devices(SCRIPT)
     for name in ("vmap_repeat", "repeat_batched", "vmap_while", "recurrent_depth"):
         message = out[name]
         # the argument, the axes, the cause and what to write instead

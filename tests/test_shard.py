@@ -4,12 +4,9 @@ The checks run in a subprocess with 8 simulated CPU devices (the device count is
 starts, so it cannot be changed inside the test process).
 """
 
-import json
-import subprocess
-import sys
 import textwrap
 
-from helpers import simulated_devices_env
+from helpers import run_on_eight_devices
 
 SCRIPT = textwrap.dedent(
     """
@@ -65,17 +62,6 @@ SCRIPT = textwrap.dedent(
     print("RESULT" + json.dumps(results))
     """
 )
-
-
-def run_on_eight_devices(script):
-    """Run ``script`` in a fresh process with 8 simulated CPU devices; its ``RESULT`` line."""
-    env = simulated_devices_env(8)
-    proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
-    return json.loads(line[len("RESULT") :])
 
 
 def test_shard_map_per_device_scheduling():

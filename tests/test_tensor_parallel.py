@@ -17,13 +17,10 @@ The Equinox example (examples/tensor_parallel.py) runs here too. Every check run
 subprocess with 8 simulated CPU devices and a timeout.
 """
 
-import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
-from helpers import simulated_devices_env
+from helpers import run_on_eight_devices
 from test_shard import LOOP_HLO
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tensor_parallel.py"
@@ -133,25 +130,12 @@ SCRIPT = LOOP_HLO + textwrap.dedent(
 )
 
 
-def _run(script: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        env=simulated_devices_env(8),
-        capture_output=True,
-        text=True,
-        timeout=900,  # a hang fails the test rather than the suite
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
-    return json.loads(line[len("RESULT") :])
-
-
 # The replica groups of the model pairs of a 4 x 2 mesh, as XLA writes them.
 MODEL_PAIRS = ("{{0,1},{2,3},{4,5},{6,7}}", "[4,2]<=[8]")
 
 
 def test_megatron_step_in_full_manual_shard_map_values_and_gradients():
-    out = _run(SCRIPT)
+    out = run_on_eight_devices(SCRIPT, timeout=900)
     names = ["repeat", "repeat_shared_depth", "repeat_closing_over_x", "repeat_split_carry",
              "while_loop", "scan",
              "recurrent_depth", "recurrent_depth_shared_depth", "repeat_batched"]  # fmt: skip
@@ -181,7 +165,7 @@ EXAMPLE_SCRIPT = textwrap.dedent(
 
 
 def test_equinox_tensor_parallel_example():
-    out = _run(EXAMPLE_SCRIPT)
+    out = run_on_eight_devices(EXAMPLE_SCRIPT, timeout=900)
     for mode, rec in out.items():
         assert rec["worst"] < 1e-5, (mode, rec)  # loss and gradients equal one device
         assert rec["all_gathers"] == 0, (mode, rec)

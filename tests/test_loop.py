@@ -872,7 +872,12 @@ BATCH_D = jnp.zeros((3,), jnp.int32)
 REPEAT_BATCHED_ERRORS = {
     "depths-2d": (dict(depths=jnp.zeros((3, 1), jnp.int32)), ValueError, r"`depths`.*\(3, 1\)"),
     "depths-float": (dict(depths=jnp.zeros((3,))), TypeError, r"`depths`.*integer dtype"),
-    "depths-scalar": (dict(depths=2), TypeError, r"`depths` must be an integer array"),
+    "depths-scalar-float": (dict(depths=2.0), TypeError, r"`depths` must be an integer array"),
+    "depths-scalar-out-of-range": (
+        dict(depths=5),
+        ValueError,
+        r"`depths` must lie in \[0, max_depth\] = \[0, 4\], got 5$",
+    ),
     "depths-out-of-range": (
         dict(depths=jnp.array([1, 9, 0])),
         ValueError,

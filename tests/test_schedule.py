@@ -1,6 +1,7 @@
 """The per-sample scheduler: results and gradients equal the unscheduled loop, work ~ sum(depth)."""
 
 import re
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -173,6 +174,59 @@ def test_repeat_batched_without_keys_and_grad(data):
 
     tree_allclose(sched_loss(xs), ref_loss(xs))
     tree_allclose(jax.grad(sched_loss)(xs), jax.grad(ref_loss)(xs), rtol=1e-4)
+
+
+@pytest.mark.parametrize("depth", [0, 4, M, "traced"])
+def test_repeat_batched_with_one_depth_for_the_batch(data, depth):
+    """A depth of shape () (or a Python int) serves every sample: values, keys, stats and
+    gradients (w.r.t. the weight and the inits) equal those of the same depth given per
+    sample, and the compiled value_and_grad runs in lockstep: no conditional over slot
+    counts, one copy of the step forward and backward."""
+    W, xs, _, ks = data
+    B = xs.shape[0]
+    d = 3 if depth == "traced" else depth
+
+    def shared(W, xs, d):
+        return dyndepth.repeat_batched(make_layer(W), xs, d, max_depth=M, keys=ks,
+                                       return_stats=True)  # fmt: skip
+
+    def per_sample(W, xs):
+        ds = jnp.full((B,), d, jnp.int32)
+        return dyndepth.repeat_batched(make_layer(W), xs, ds, max_depth=M, keys=ks,
+                                       return_stats=True)  # fmt: skip
+
+    run = jax.jit(shared) if depth == "traced" else partial(shared, d=d)
+    args = (jnp.int32(d),) if depth == "traced" else ()
+    (out, st), (want, want_st) = run(W, xs, *args), per_sample(W, xs)
+    tree_allclose(out, want, rtol=1e-6)
+    assert {k: np.asarray(v).tolist() for k, v in st.items()} == {
+        k: np.asarray(v).tolist() for k, v in want_st.items()
+    }
+    assert int(st["executed_sample_steps"]) == B * d
+    grads = jax.grad(lambda W, xs: jnp.sum(run(W, xs, *args)[0] ** 2), argnums=(0, 1))(W, xs)
+    want_g = jax.grad(lambda W, xs: jnp.sum(per_sample(W, xs)[0] ** 2), argnums=(0, 1))(W, xs)
+    tree_allclose(grads, want_g, rtol=1e-5)
+    loss = lambda W, xs: jnp.sum(run(W, xs, *args)[0] ** 2)  # noqa: E731
+    hlo = jax.jit(jax.value_and_grad(loss)).lower(W, xs).compile().as_text()
+    assert "branch_computations" not in hlo
+
+
+@pytest.mark.parametrize(
+    "depths, inits, error, match",
+    [
+        (jnp.zeros((2, 2), jnp.int32), None, ValueError, r"must have shape \(B,\) or \(\)"),
+        (2.0, None, TypeError, r"`depths` must be an integer array of shape \(B,\) or \(\)"),
+        (M + 1, None, ValueError, r"`depths` must lie in \[0, max_depth\] = \[0, 7\], got 8$"),
+        (2, {"a": jnp.ones((4, D)), "b": jnp.ones((3, D))}, ValueError,
+         r"leading batch axis of size 4 \(from `inits\['a'\]`\); inits\['b'\] has shape"),
+        (2, {"a": jnp.ones(())}, ValueError,
+         r"`inits` needs a leading batch axis; inits\['a'\] has shape \(\)"),
+    ],
+)  # fmt: skip
+def test_repeat_batched_depth_errors(depths, inits, error, match):
+    inits = jnp.ones((4, D)) if inits is None else inits
+    with pytest.raises(error, match=match):
+        dyndepth.repeat_batched(lambda x: x, inits, depths, max_depth=M)
 
 
 def _uniform(key, B, hi):

@@ -161,26 +161,29 @@ def same_structure(expected: Any, got: Any, fname: str, what: str) -> None:
 def batch_counts_arg(
     value: Any, name: str, max_name: str, max_value: int, checked: bool = False
 ) -> jax.Array:
-    """A (B,) integer array of per-sample counts; concrete values are range-checked."""
+    """Integer counts of shape ``(B,)`` (one per sample) or ``()`` (one for the whole batch; a
+    Python int too); concrete values are range-checked."""
+    if isinstance(value, int | np.integer) and not isinstance(value, bool):
+        value = np.asarray(value, np.int32)
     dtype = getattr(value, "dtype", None)
     shape = getattr(value, "shape", None)
     if isinstance(value, list | tuple):
         value = np.asarray(value)
         dtype, shape = value.dtype, value.shape
     if dtype is None or shape is None:
-        raise TypeError(f"`{name}` must be an integer array of shape (B,), got {value!r}")
+        raise TypeError(f"`{name}` must be an integer array of shape (B,) or (), got {value!r}")
     if not jnp.issubdtype(dtype, jnp.integer) or np.dtype(dtype) == np.bool_:
         raise TypeError(f"`{name}` must have an integer dtype, got dtype {dtype}")
-    if len(shape) != 1:
-        raise ValueError(f"`{name}` must have shape (B,), got shape {tuple(shape)}")
+    if len(shape) > 1:
+        raise ValueError(f"`{name}` must have shape (B,) or (), got shape {tuple(shape)}")
     if not isinstance(value, jax.core.Tracer):
-        arr = np.asarray(value)
+        arr = np.asarray(value).reshape(-1)
         bad = np.nonzero((arr < 0) | (arr > max_value))[0]
         if bad.size:
             b = int(bad[0])
+            where = f" at batch index {b}" if len(shape) else ""
             raise ValueError(
-                f"`{name}` must lie in [0, {max_name}] = [0, {max_value}], got {int(arr[b])} at "
-                f"batch index {b}"
+                f"`{name}` must lie in [0, {max_name}] = [0, {max_value}], got {int(arr[b])}{where}"
             )
     value = jnp.asarray(value)
     if checked:
@@ -188,14 +191,20 @@ def batch_counts_arg(
     return _clamp(value, max_value)
 
 
-def leading_axis(tree: Any, name: str, B: int) -> None:
+def leading_axis(tree: Any, name: str, B: int | None, source: str = "depths") -> int:
+    """The size of the leading batch axis every leaf of ``tree`` shares: ``B`` (taken from
+    ``source``), or with ``B`` None the first leaf's."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         shape = jnp.shape(leaf)
+        if shape and B is None:
+            B, source = shape[0], f"{name}{keystr(path)}"
         if not shape or shape[0] != B:
+            size = "" if B is None else f" of size {B} (from `{source}`)"
             raise ValueError(
-                f"every leaf of `{name}` needs a leading batch axis of size {B} (from `depths`); "
+                f"every leaf of `{name}` needs a leading batch axis{size}; "
                 f"{name}{keystr(path)} has shape {tuple(shape)}"
             )
+    return 0 if B is None else B
 
 
 def _raise_out_of_range(name, max_name, max_value, value):

@@ -501,8 +501,11 @@ def repeat_batched(
 
     - ``f``: ``f(carry) -> carry`` or ``f(carry, key) -> carry`` (with ``keys``), on one sample.
     - ``inits``: a pytree whose leaves share a leading batch axis of size ``B``.
-    - ``depths``: an integer array of shape ``(B,)``; may be traced. Concrete values outside
-      ``[0, max_depth]`` raise, traced ones are clamped.
+    - ``depths``: an integer array of shape ``(B,)``, or one depth for the whole batch (shape
+      ``()`` or a Python int: the batch runs in lockstep, unscheduled, and compiles one copy of
+      ``f`` forward and backward, like ``"checkpointed"``; ``B`` is then the leading axis of
+      ``inits``); may be traced. Concrete values outside ``[0, max_depth]`` raise, traced
+      ones are clamped.
     - ``max_depth``: static int ``>= 0``.
     - ``keys``: ``None`` or a batch of ``B`` keys (``jax.random.split(key, B)``).
     - ``slots``: static int ``>= 1``; ``None`` to choose at run time the count of least
@@ -531,8 +534,8 @@ def repeat_batched(
 
     **Returns:** the batch of final carries (and the stats dict with ``return_stats``).
 
-    **Raises:** as :func:`repeat`; ``ValueError`` if ``depths`` is not of shape ``(B,)`` or the
-    leading axes of ``inits``/``keys`` differ from ``B``.
+    **Raises:** as :func:`repeat`; ``ValueError`` if ``depths`` is not of shape ``(B,)`` or
+    ``()``, or the leading axes of ``inits``/``keys`` differ from ``B``.
     """
     _checks.callable_arg(f, "f")
     max_depth = _checks.static_nonneg_int(max_depth, "max_depth")
@@ -540,10 +543,10 @@ def repeat_batched(
     checkpoints = _checks.checkpoints_arg(checkpoints)
     checked = _checks.bool_arg(checked, "checked")
     depths = _checks.batch_counts_arg(depths, "depths", "max_depth", max_depth, checked)
-    B = depths.shape[0]
-    _checks.leading_axis(inits, "inits", B)
+    shared = depths.ndim == 0
+    B = _checks.leading_axis(inits, "inits", None if shared else depths.shape[0])
     if keys is not None:
-        _checks.leading_axis(keys, "keys", B)
+        _checks.leading_axis(keys, "keys", B, "depths" if not shared else "inits")
         check_key(jax.ShapeDtypeStruct(keys.shape[1:], keys.dtype), "keys[0]")
 
     kind, step, xs = _indexed(with_index, _carry_kind(keys is not None, "f"), f, None, max_depth)
@@ -556,8 +559,10 @@ def repeat_batched(
         return carry, stats
 
     # The batch is the loop's own batching level: vmap of the per-sample loop runs the
-    # scheduler, forward and backward (and a shared parameter's gradient is summed inside it).
-    run = jax.vmap(one, in_axes=(0, 0, None if keys is None else 0), out_axes=(0, None))
+    # scheduler, forward and backward (and a shared parameter's gradient is summed inside it);
+    # one depth for the batch runs it in lockstep, with nothing to schedule.
+    in_axes = (0, None if shared else 0, None if keys is None else 0)
+    run = jax.vmap(one, in_axes=in_axes, out_axes=(0, None))
     if B == 0:
         carry, stats = inits, jnp.zeros((2,), jnp.int32)
     else:
@@ -565,10 +570,11 @@ def repeat_batched(
     if not return_stats:
         return carry
     stats = stats.reshape(-1, 2)
-    useful = jnp.sum(depths.reshape(stats.shape[0], -1), axis=1)
+    per_sample = jnp.broadcast_to(depths, (B,))
+    useful = jnp.sum(per_sample.reshape(stats.shape[0], -1), axis=1)
     return carry, {
         **_work_stats(stats),
-        "useful_sample_steps": jnp.sum(depths),
+        "useful_sample_steps": jnp.sum(per_sample),
         "per_device_executed_sample_steps": stats[:, 1],
         "per_device_useful_sample_steps": useful,
     }

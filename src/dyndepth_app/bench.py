@@ -322,12 +322,16 @@ def time_in_rounds(calls):
     """Best seconds of each ``(compiled, args, n)`` in ``calls`` over its ``n`` timed calls, the
     calls taking turns: round ``r`` calls each function that has more than ``r`` calls to make,
     so that load on a shared machine falls on all of them alike rather than on whichever ran
-    during it, and the best of the rounds is what the code itself costs."""
+    during it, and the best of the rounds is what the code itself costs. Round ``r`` starts at
+    the ``r``-th function (in rotation), so that none always runs first, after the previous
+    round's last one has filled the caches with its own data."""
     times = [[] for _ in calls]
     for r in range(max((n for _, _, n in calls), default=0)):
-        for (compiled, args, n), ts in zip(calls, times, strict=True):
+        for j in range(len(calls)):
+            k = (r + j) % len(calls)
+            compiled, args, n = calls[k]
             if r < n:
-                ts.append(_timed_call(compiled, args))
+                times[k].append(_timed_call(compiled, args))
     return [min(ts) for ts in times]
 
 

@@ -7,6 +7,7 @@ Loops whose forward and backward cost follow the depth actually run, under ``jit
 from importlib.metadata import PackageNotFoundError, version
 
 from . import nn as nn
+from ._calibrate import measure_iteration_cost as measure_iteration_cost
 from ._cost import IterationCost as IterationCost
 from ._cost import set_iteration_cost as set_iteration_cost
 from ._keys import step_key as step_key
@@ -22,6 +23,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "IterationCost",
+    "measure_iteration_cost",
     "repeat",
     "repeat_batched",
     "scan",

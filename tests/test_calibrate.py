@@ -1,0 +1,62 @@
+"""Measuring a backend's iteration cost: the fit recovers a known model, the measurement gives a
+usable one, bad arguments raise."""
+
+import jax
+import numpy as np
+import pytest
+
+import dyndepth
+from dyndepth import _calibrate, _cost
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_lines_of_a_known_cost_give_it_back(seed):
+    """Seconds per iteration made by the model itself (fixed + S x row, for the elementwise
+    step at the floor and the matrix product at the rate) come back as the model's constants."""
+    rng = np.random.default_rng(seed)
+    want = _cost.IterationCost(
+        fixed_seconds=float(rng.uniform(1e-6, 5e-5)),
+        flops_per_second=float(rng.uniform(1e10, 1e15)),
+        row_floor_seconds=float(rng.uniform(1e-9, 1e-7)),
+    )
+    slots = _calibrate.slot_counts(int(rng.choice([128, 512, 4096])))
+    row_flops = float(rng.uniform(1e3, 1e9))
+    floor = [want.fixed_seconds + s * want.row_floor_seconds for s in slots]
+    matmul = [want.fixed_seconds + s * row_flops / want.flops_per_second for s in slots]
+    got = _calibrate.cost_of_lines(slots, floor, matmul, row_flops)
+    for field in ("fixed_seconds", "flops_per_second", "row_floor_seconds"):
+        assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-6), field
+
+
+def test_fit_line_clamps_what_noise_tilts_below_zero():
+    assert _calibrate.fit_line([1, 2, 3], [3.0, 2.0, 1.0]) == (pytest.approx(4.0), 1e-15)
+    a, b = _calibrate.fit_line([1, 2, 3], [0.5, 1.5, 2.5])
+    assert (a, b) == (0.0, pytest.approx(1.0))
+
+
+def test_measured_cost_is_usable_by_the_slot_rule():
+    """A small measurement on this machine: positive constants, accepted by
+    set_iteration_cost, after which a loop's fixed cost in rows follows them."""
+    cost = dyndepth.measure_iteration_cost(batch=128, width=16, depth=2, repeats=1)
+    assert isinstance(cost, dyndepth.IterationCost)
+    assert cost.fixed_seconds >= 0 and cost.flops_per_second > 0 and cost.row_floor_seconds > 0
+    platform = jax.default_backend()
+    try:
+        dyndepth.set_iteration_cost(platform, cost)
+        assert _cost.backend_cost().fixed_rows(1e6) == pytest.approx(cost.fixed_rows(1e6))
+    finally:
+        dyndepth.set_iteration_cost(platform, None)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(batch=64), ValueError, r"`batch` must be >= 128, got 64"),
+        (dict(width=0), ValueError, r"`width` must be >= 1, got 0"),
+        (dict(depth=0), ValueError, r"`depth` must be >= 1, got 0"),
+        (dict(repeats=1.5), TypeError, r"`repeats` must be a static Python int"),
+    ],
+)
+def test_bad_arguments_raise_naming_them(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        dyndepth.measure_iteration_cost(**kwargs)

@@ -14,7 +14,8 @@ of a sweep (``slots=S``); full-depth ``lax.scan`` over ``max(depth)`` for every 
 depth as a careful user writes it; ``jax.vmap(lax.while_loop)`` (forward). Then the compile
 time (lower + compile, one fresh function) of value_and_grad for the default against
 ``strategy="checkpointed"`` (one unscheduled loop). The ratios printed are the issue's
-targets: default / best fixed count, and default / full-depth scan.
+targets: default / best fixed count, and default / full-depth scan. Last, the backend's
+iteration cost as ``dyndepth.measure_iteration_cost`` measures it, beside the built-in one.
 
 Made to run within about 5 minutes on one GPU. How to run (from the repository root)::
 
@@ -33,6 +34,7 @@ from jax import lax
 from scheduler import depths_of, interleaved_ms
 
 import dyndepth as dd
+from dyndepth import _cost as dd_cost
 
 WORKLOADS = {  # name: (batch, width, max_depth, distribution, sweep)
     "long-tail": (4096, 1024, 256, "long-tail", (4096, 2048, 1024, 512, 256)),
@@ -143,7 +145,19 @@ def main() -> None:
         base = compile_seconds(*shape, "checkpointed")
         auto = compile_seconds(*shape, "auto")
         print(f"| {name} | {base:.2f} | {auto:.2f} | {auto / base:.2f}x |")
+    print_measured_cost(a.quick)
     print(f"\nwhole run: {time.perf_counter() - t0:.0f} s")
+
+
+def print_measured_cost(quick: bool) -> None:
+    """This backend's iteration cost as ``dyndepth.measure_iteration_cost`` measures it,
+    beside the built-in constants the runs above used."""
+    kw = dict(batch=128, width=16, depth=2, repeats=1) if quick else {}
+    cost = dd.measure_iteration_cost(**kw)
+    print(f"\nmeasured IterationCost: fixed {cost.fixed_seconds * 1e6:.1f} us, "
+          f"{cost.flops_per_second / 1e12:.2f} TFLOP/s, row floor "
+          f"{cost.row_floor_seconds * 1e9:.1f} ns (built-in for {jax.default_backend()}: "
+          f"{dd_cost.backend_cost()})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -575,6 +575,17 @@ WHILE_ERRORS = {
         r"`cond_fun` must return a boolean scalar",
     ),
     "cond-not-callable": (dict(cond_fun=True), TypeError, r"`cond_fun` must be callable"),
+    "priority-not-callable": (dict(priority=3), TypeError, r"`priority` must be callable"),
+    "priority-returns-bool": (
+        dict(priority=lambda x: x[0] > 0),
+        TypeError,
+        r"`priority` must return a real scalar \(an int or float\), got bool\[\]",
+    ),
+    "priority-returns-vector": (
+        dict(priority=lambda x: x),
+        TypeError,
+        r"`priority` must return a real scalar.*got float32\[3\]; under vmap, write it for one",
+    ),
     "body-not-callable": (dict(body_fun=None), TypeError, r"`body_fun` must be callable"),
     "body-changes-dtype": (
         dict(body_fun=lambda x: x.astype(jnp.int32)),
@@ -689,3 +700,79 @@ def test_return_stats_keeps_gradients():
     want = jax.grad(loss)(1.5, "masked")
     for strategy in ("checkpointed", "auto"):
         np.testing.assert_allclose(jax.grad(loss)(1.5, strategy), want, rtol=1e-6)
+
+
+def _queue_iterations(steps, priority, slots):
+    """Continuous batching in plain Python: the samples with steps queue by decreasing
+    priority (NaN lowest, ties in batch order); each iteration steps every busy slot, and a
+    slot whose sample is done takes the next queued sample, freed slots in slot order. The
+    loop's iterations: when its last slot runs out of work."""
+    key = [(-(-np.inf if np.isnan(p) else p), b) for b, p in enumerate(priority)]
+    queue = [b for _, b in sorted(key) if steps[b] > 0]
+    free_at = [0] * slots  # the iteration at which each slot is next free
+    for b in queue:  # the slot free first takes the next sample (lowest index among equals)
+        s = min(range(slots), key=lambda j: (free_at[j], j))
+        free_at[s] += steps[b]
+    return max(free_at)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_priority_orders_the_queue_and_changes_no_result(seed):
+    """Random stopping steps and priorities (ints or floats, ties, NaNs): with ``priority``
+    the outputs, steps and gradients equal those without, and the loop's iterations are those
+    of continuous batching in the priority's order (a plain-Python simulation)."""
+    rng = np.random.default_rng(seed)
+    rows, slots = int(rng.integers(4, 20)), int(rng.integers(1, 5))
+    limits = rng.integers(0, MAX_STEPS + 2, rows).astype(np.float32)
+    as_int = seed % 2 == 1  # integer priorities with many ties, or floats with some NaNs
+    if as_int:
+        prio = rng.integers(0, 4, rows).astype(np.float32)
+    else:
+        prio = np.where(rng.random(rows) < 0.2, np.nan, rng.normal(size=rows)).astype(np.float32)
+    cond, body, init = _counting(jnp.asarray(limits))
+    init = jnp.concatenate([init, jnp.asarray(prio)[:, None]], axis=1)
+
+    def run(scale, priority):
+        def one(c):
+            return dd.while_loop(cond, lambda c: body(c) * jnp.asarray([1.0, 1.0, scale]), c,
+                                 max_steps=MAX_STEPS, slots=slots, priority=priority,
+                                 return_steps=True, return_stats=True)  # fmt: skip
+
+        return jax.vmap(one)(init)
+
+    by_last = (lambda c: c[2].astype(jnp.int32)) if as_int else (lambda c: c[2])  # noqa: E731
+    (out, steps, stats), (out0, steps0, _) = run(1.5, by_last), run(1.5, None)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out0))
+    np.testing.assert_array_equal(np.asarray(steps), np.asarray(steps0))
+    want_steps = np.minimum(limits, MAX_STEPS).astype(int)
+    want = _queue_iterations(want_steps, prio, min(slots, rows))
+    assert int(stats["iterations"][0]) == want, (want_steps, prio, slots)
+    grads = [jax.grad(lambda s, p=p: jnp.sum(run(s, p)[0] ** 2))(1.5) for p in (by_last, None)]
+    np.testing.assert_allclose(grads[0], grads[1], rtol=1e-6)
+
+    def per_sample_grads(priority):  # vmap(grad): each sample's gradient, a batched backward
+        def loss(scale, c):
+            out = dd.while_loop(cond, lambda c: body(c) * jnp.asarray([1.0, 1.0, scale]), c,
+                                max_steps=MAX_STEPS, slots=slots, priority=priority)  # fmt: skip
+            return jnp.sum(out**2)
+
+        return jax.vmap(jax.grad(loss), in_axes=(None, 0))(1.5, init)
+
+    np.testing.assert_allclose(per_sample_grads(by_last), per_sample_grads(None), rtol=1e-6)
+
+
+def test_priority_longest_first_shortens_the_tail():
+    """One long sample behind fifteen short ones: started first, the batch takes its steps
+    (20 iterations) instead of the short ones' turns plus its steps."""
+    limits = jnp.asarray([1.0] * 15 + [20.0])
+    cond, body, init = _counting(limits)
+
+    def iterations(priority):
+        def one(c):
+            return dd.while_loop(cond, body, c, max_steps=32, slots=4, priority=priority,
+                                 return_stats=True)[1]  # fmt: skip
+
+        return int(jax.vmap(one)(init)["iterations"][0])
+
+    assert iterations(None) == 4 + 20 - 1
+    assert iterations(lambda c: c[1]) == 20

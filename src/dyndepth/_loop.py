@@ -40,10 +40,11 @@ def _key_parts(key: Any, name: str) -> tuple[KeySchedule | None, Any, Any]:
 def _run(kind: StepKind, fn: Callable, cond_fn: Callable | None, init: Any, xs: Any, n: Any,
          key: Any, stacked: Any = None, *, length: int, strategy: str,
          checkpoints: int | None, slots: int | tuple[int, ...] | str | None,
-         stats_for: str | None = None):  # fmt: skip
+         stats_for: str | None = None, priority_fn: Callable | None = None):  # fmt: skip
     """Trace the step, pick the strategy's runner and run. Returns ``(carry, ys, steps,
     stats)`` as the user's pytrees. ``stats_for``: the argument that asked for the stats, if
-    any (the masked loop has none to report: every sample runs every step)."""
+    any (the masked loop has none to report: every sample runs every step); ``priority_fn``:
+    the continuous-batching queue's order (see :func:`while_loop`)."""
     strategy = _checks.strategy_arg(strategy)
     if checkpoints is not None and strategy not in ("auto", "checkpointed"):
         raise ValueError(
@@ -59,6 +60,7 @@ def _run(kind: StepKind, fn: Callable, cond_fn: Callable | None, init: Any, xs: 
     traced = trace_loop(
         kind, fn, cond_fn, init, xs, keys, key_example, stacked,
         max_steps=length, checkpoints=checkpoints, strategy=strategy, slots=slots,
+        priority_fn=priority_fn,
     )  # fmt: skip
     loop = traced.loop
     operands = (traced.consts, traced.cconsts, traced.init, traced.xs, n, kd)
@@ -395,6 +397,7 @@ def while_loop(
     slots: int | Sequence[int] | Literal["work"] | None = None,
     with_index: bool = False,
     return_stats: bool = False,
+    priority: Callable | None = None,
 ) -> Any:
     """A bounded while loop with a data-dependent stop, reverse-differentiable.
 
@@ -428,6 +431,14 @@ def while_loop(
       steps). Inside ``shard_map``, this device's loop; under plain ``jit`` with the batch
       sharded over ``Explicit`` mesh axes, the longest device's iterations and the sum over
       the devices.
+    - ``priority``: ``priority(carry) -> number`` (an int or float scalar, for one sample), or
+      ``None``. A scheduling hint that never changes results: under ``vmap``, continuous
+      batching starts the samples in decreasing ``priority(init)`` (ties and ``None`` in batch
+      order). Give an estimate of each sample's steps (a string's length, a puzzle's blanks)
+      so that long samples start early and the batch's last iterations are not spent on one
+      late long sample in otherwise idle slots. Only that scheduler reads it (``"auto"``
+      under ``vmap`` with fewer slots than samples); every other loop has no queue to order.
+      It receives no gradient, like ``cond_fun``.
 
     **Transformations:** as :func:`repeat` for each strategy. Under ``vmap`` with a per-sample
     predicate, every sample stops at its own step; finished samples are masked.
@@ -442,11 +453,14 @@ def while_loop(
     with ``return_stats``, ``(carry, steps, stats)`` with both.
 
     **Raises:** as :func:`repeat`; ``TypeError`` when ``cond_fun`` is not callable or does not
-    return a boolean scalar; ``ValueError`` for ``return_stats`` with ``strategy="masked"``
+    return a boolean scalar, or ``priority`` is neither None nor a callable returning a real
+    scalar; ``ValueError`` for ``return_stats`` with ``strategy="masked"``
     (or a step that uses the axis of an enclosing ``vmap``, which runs the masked loop).
     """
     _checks.callable_arg(cond_fun, "cond_fun")
     _checks.callable_arg(body_fun, "body_fun")
+    if priority is not None:
+        _checks.callable_arg(priority, "priority")
     max_steps = _checks.static_nonneg_int(max_steps, "max_steps")
     checkpoints = _checks.checkpoints_arg(checkpoints)
     slots = _checks.slots_arg(slots)
@@ -457,7 +471,7 @@ def while_loop(
     carry, _, steps, stats = _run(
         kind, step, cond_fun, init, xs, jnp.asarray(max_steps, jnp.int32), key,
         length=max_steps, strategy=strategy, checkpoints=checkpoints, slots=slots,
-        stats_for="return_stats" if return_stats else None,
+        stats_for="return_stats" if return_stats else None, priority_fn=priority,
     )  # fmt: skip
     out = [carry] + ([steps] if return_steps else [])
     if return_stats:

@@ -383,15 +383,15 @@ def _next_samples(done, ptr, order, num_work):
 
 def forward_refill(loop: Loop, consts, c_axes, cconsts, cc_axes, init, xs, n, kd, *, store, slots):
     """:func:`dyndepth._batched.forward` with continuous batching, for a loop with a stop
-    predicate: samples start in batch order, and a slot takes the next pending sample the
-    moment its sample stops."""
+    predicate: samples start in :func:`_queue_order`, and a slot takes the next pending
+    sample the moment its sample stops."""
     B = n.shape[0]
     S = max(1, min(slots, B))
     vstep = loop.vstep(c_axes, S)
     has = n > 0
     if loop.cond_jaxpr is not None:
         has = has & loop.vcond(cc_axes, B)(cconsts, init)
-    order = jnp.argsort(jnp.where(has, 0, 1), stable=True).astype(jnp.int32)
+    order = _queue_order(loop, cconsts, cc_axes, init, has)
     num_work = jnp.sum(has.astype(jnp.int32))
 
     def slot_cond(s_idx, carry):
@@ -431,6 +431,19 @@ def forward_refill(loop: Loop, consts, c_axes, cconsts, cc_axes, init, xs, n, kd
     out = _vma.while_loop(lambda s: jnp.any(s["s_live"]), body, state)
     res = (out["buf"], out["stride"]) if store else None
     return out["out"], out["ys"], out["steps"], res, stats_of(out["iters"], S)
+
+
+def _queue_order(loop: Loop, cconsts, cc_axes, init, has) -> jax.Array:
+    """The order in which samples enter the slots: those with steps to take first, by
+    decreasing priority at ``init`` when the loop has one (a NaN counts as the lowest), in
+    batch order among equals."""
+    B = has.shape[0]
+    no_work = jnp.where(has, 0, 1)
+    if not loop.priority:
+        return jnp.argsort(no_work, stable=True).astype(jnp.int32)
+    prio = jax.vmap(loop.start_priority, in_axes=(list(cc_axes), 0), axis_size=B)(cconsts, init)
+    # (sorting puts NaNs last, after every number)
+    return jnp.lexsort((jnp.arange(B), -prio, no_work)).astype(jnp.int32)
 
 
 def _refill_state(loop: Loop, init, order, num_work, S: int, store: bool) -> dict:

@@ -35,7 +35,9 @@ class Loop:
     ``step_jaxpr`` maps ``(consts, carry, x[, key])`` to ``(carry, y)`` (flat leaves); its first
     ``stacked`` consts are the slices, at the step's layer index ``x[0]``, of stacked operands
     (``dyndepth.nn.layer_drop``), so that the backward pass can reference a layer's slice
-    instead of storing it. ``cond_jaxpr`` maps ``(cconsts, carry)`` to a boolean scalar.
+    instead of storing it. ``cond_jaxpr`` maps ``(cconsts, carry)`` to a boolean scalar, and
+    with ``priority`` also to the sample's priority in the continuous-batching queue (a second
+    output, so that both share the predicate's operands).
     """
 
     step_jaxpr: ClosedJaxpr
@@ -51,6 +53,7 @@ class Loop:
     strategy: str
     slots: int | tuple[int, ...] | None = None
     stacked: int = 0
+    priority: bool = False
 
     # ------------------------------------------------------------------ calling the step
 
@@ -68,6 +71,13 @@ class Loop:
         assert self.cond_jaxpr is not None
         cj = self.cond_jaxpr
         return _vma.eval_jaxpr(cj.jaxpr, list(cj.consts), *cconsts, *carry)[0]
+
+    def start_priority(self, cconsts: Sequence[Any], carry: Sequence[Any]) -> jax.Array:
+        """The sample's priority (a float32 scalar; higher starts first) at its ``carry``."""
+        assert self.cond_jaxpr is not None and self.priority
+        cj = self.cond_jaxpr
+        value = _vma.eval_jaxpr(cj.jaxpr, list(cj.consts), *cconsts, *carry)[1]
+        return jnp.asarray(value).astype(jnp.float32)
 
     def vstep(self, c_axes: Sequence[int | None], rows: int) -> Callable:
         """The step over a leading axis of ``rows``; consts with axis ``None`` are shared."""

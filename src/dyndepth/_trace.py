@@ -211,10 +211,10 @@ def _carry_examples(flat_step: Callable, inputs: _Inputs) -> list:
     return examples
 
 
-def _build_loop(flat_step: Callable, seen: dict, cond_fn: Callable | None, inputs: _Inputs,
-                options: dict) -> tuple:  # fmt: skip
-    """Closure-convert the step and stop predicate: ``(loop, consts, cconsts, y_tree,
-    y_codec, weak)``."""
+def _build_loop(flat_step: Callable, seen: dict, cond_fn: Callable | None,
+                priority_fn: Callable | None, inputs: _Inputs, options: dict) -> tuple:  # fmt: skip
+    """Closure-convert the step and stop predicate (with the queue priority as its second
+    output): ``(loop, consts, cconsts, y_tree, y_codec, weak)``."""
     examples = _carry_examples(flat_step, inputs)
     seen["strong"] = True
     jaxpr, consts, (c_shape, y_shape) = closure_convert(flat_step, *inputs.examples(examples))
@@ -222,17 +222,21 @@ def _build_loop(flat_step: Callable, seen: dict, cond_fn: Callable | None, input
     if cond_fn is not None:
 
         def flat_cond(*c_l):
-            carry = inputs.carry_codec.decode(c_l)
-            return cond_fn(jax.tree_util.tree_unflatten(inputs.carry_tree, carry))
+            carry = jax.tree_util.tree_unflatten(inputs.carry_tree, inputs.carry_codec.decode(c_l))
+            if priority_fn is None:
+                return cond_fn(carry)
+            return cond_fn(carry), priority_fn(carry)
 
         cond_jaxpr, cconsts, c_out = closure_convert(flat_cond, *examples)
-        _check_cond_output(c_out)
+        _check_cond_output(c_out if priority_fn is None else c_out[0])
+        if priority_fn is not None:
+            _check_priority_output(c_out[1])
     S = len(inputs.stacked)
     loop = Loop(
         step_jaxpr=jaxpr, cond_jaxpr=cond_jaxpr, n_consts=S + len(consts),
         n_cconsts=len(cconsts), carry_avals=tuple(_strong(e) for e in examples),
         x_avals=tuple(inputs.x_examples), y_avals=tuple(_strong(a) for a in y_shape),
-        stacked=S, **options,
+        stacked=S, priority=priority_fn is not None, **options,
     )  # fmt: skip
     # The loop's outputs are weakly typed where the step's are (as lax's loops return).
     weak = Weak(tuple(getattr(a, "weak_type", False) for a in c_shape),
@@ -254,8 +258,10 @@ def trace_loop(
     checkpoints: int | None,
     strategy: str,
     slots: int | tuple[int, ...] | None,
+    priority_fn: Callable | None = None,
 ) -> Traced:
-    """Closure-convert the user's step (and stop predicate) into a :class:`Loop`.
+    """Closure-convert the user's step (and stop predicate, and its queue priority) into a
+    :class:`Loop`.
 
     ``init`` is a pytree of arrays for one sample, ``xs`` one with a leading step axis,
     ``key_example`` an abstract key (None without a key) and ``stacked`` a pytree of stacked
@@ -270,10 +276,10 @@ def trace_loop(
 
     def build():
         with _vma.loop_state_axes(axes):
-            return _build_loop(flat_step, seen, cond_fn, inputs, options)
+            return _build_loop(flat_step, seen, cond_fn, priority_fn, inputs, options)
 
     cache_key = (
-        kind, cond_fn, inputs.carry_tree, inputs.xs_tree, inputs.stacked_tree,
+        kind, cond_fn, priority_fn, inputs.carry_tree, inputs.xs_tree, inputs.stacked_tree,
         inputs.carry_codec, inputs.x_codec, keys,
         tuple(map(_aval_key, inputs.c_examples + inputs.x_examples + inputs.s_examples
                   + inputs.key_args)),
@@ -402,6 +408,20 @@ def _aval_key(x: Any) -> Any:
 def _context() -> Any:
     return (jax.sharding.get_abstract_mesh(), jax.config.jax_enable_x64,
             jax.config.jax_numpy_dtype_promotion)  # fmt: skip
+
+
+def _check_priority_output(p_out: Any) -> None:
+    leaves = jax.tree_util.tree_leaves(p_out)
+    if len(leaves) != 1 or leaves[0].shape != () or not _is_real(leaves[0].dtype):
+        got = ", ".join(f"{a.dtype}{list(a.shape)}" for a in leaves) or "nothing"
+        raise TypeError(
+            f"`priority` must return a real scalar (an int or float), got {got}; under vmap, "
+            "write it for one sample"
+        )
+
+
+def _is_real(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating))
 
 
 def _check_cond_output(c_out: Any) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,17 +65,18 @@ def test_value_and_gradient_match_truncated_reference(strategy):
         tree_allclose(vg(W, X, S0, n, k), ref, **GTOL, err_msg=f"n={n}, k={k}")
 
 
-def test_per_sample_counts_and_keys_under_vmap():
+@pytest.mark.parametrize("slots", [None, 1, 3, (4, 2)])
+def test_per_sample_counts_and_keys_under_vmap(slots):
     B = 4
     ns = jnp.array([0, 3, 10, 7], jnp.int32)
     ks = jnp.array([1, 8, 2, 0], jnp.int32)
     xs = jax.random.normal(jax.random.PRNGKey(4), (B, D))
     keys = jax.random.split(jax.random.PRNGKey(5), B)
 
-    def loss(W, xs):
+    def loss(W, xs, ns, ks):  # (the counts as arguments: XLA keeps the run-time choice)
         out = jax.vmap(
             lambda x, n, k, key: dnn.recurrent_depth(
-                core_of(W), S0, x, n=n, k=k, max_n=10, max_k=8, key=key
+                core_of(W), S0, x, n=n, k=k, max_n=10, max_k=8, key=key, slots=slots
             )
         )(xs, ns, ks, keys)
         return jnp.sum(jax.vmap(loss_of)(out))
@@ -83,8 +86,17 @@ def test_per_sample_counts_and_keys_under_vmap():
             loss_of(reference(W, xs[b], S0, int(ns[b]), int(ks[b]), keys[b])[0]) for b in range(B)
         )
 
-    got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(W, xs)
-    tree_allclose(got, jax.value_and_grad(ref_loss, argnums=(0, 1))(W, xs), **GTOL)
+    vg = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    want = jax.value_and_grad(ref_loss, argnums=(0, 1))(W, xs)
+    tree_allclose(vg(W, xs, ns, ks), want, **GTOL)
+    # One conditional over the slot counts per scheduled loop (the detached phase forward, the
+    # differentiated one forward and backward), none with one count: a compiled copy each.
+    hlo = vg.lower(W, xs, ns, ks).compile().as_text()
+    branches = [len(m.split(",")) for m in re.findall(r"branch_computations=\{([^}]*)\}", hlo)]
+    if isinstance(slots, int):
+        assert branches == []
+    elif isinstance(slots, tuple):
+        assert branches == [2, 2, 2]
 
 
 def test_return_all_gives_progressive_outputs_and_zero_rows():
@@ -177,6 +189,11 @@ def test_recurrent_depth_errors():
         dnn.recurrent_depth(core, S0, X, n=1, k=1, strategy="fast", **kw)
     with pytest.raises(TypeError, match=r"`key` must be a PRNG key"):
         dnn.recurrent_depth(core, S0, X, n=1, k=1, max_n=4, max_k=4, key=1)
+    with pytest.raises(ValueError, match=r"`slots`=2 sets .* strategy 'auto' only, got strategy="
+                       r"'checkpointed'"):  # fmt: skip
+        dnn.recurrent_depth(core, S0, X, n=1, k=1, strategy="checkpointed", slots=2, **kw)
+    with pytest.raises(ValueError, match=r"`slots` must be >= 1"):
+        dnn.recurrent_depth(core, S0, X, n=1, k=1, slots=0, **kw)
 
 
 def test_per_example_gradients_under_vmap_of_grad():

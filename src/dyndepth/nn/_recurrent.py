@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,7 @@ def recurrent_depth(
     strategy: Strategy = "auto",
     checkpoints: int | None = None,
     with_index: bool = False,
+    slots: int | Sequence[int] | Literal["work"] | None = None,
 ) -> Any:
     """Run a recurrent core ``n + k`` times, backpropagating through the last ``k`` steps only.
 
@@ -87,6 +88,10 @@ def recurrent_depth(
       the first ``n`` iterations run with ``"auto"`` when it is ``"auto"`` (the per-sample
       scheduler under ``vmap``) and with ``"while"`` otherwise.
     - ``checkpoints``: passed to the differentiated phase.
+    - ``slots``: the per-sample scheduler's slot counts, for both phases (with
+      ``strategy="auto"`` only; see :func:`dyndepth.repeat`): ``None`` chooses at run time
+      among up to five counts, each a compiled copy of ``core`` forward and backward; one
+      count (``slots=S``) compiles one copy, a tuple those counts.
     - ``with_index``: call ``core(j, state, x)`` (``core(j, state, x, key)`` with ``key``), ``j``
       the iteration's index over all ``n + k`` iterations (an int32 scalar, each sample's own
       under ``vmap``: the number its key is folded with), as ``lax.fori_loop`` gives it.
@@ -118,15 +123,15 @@ def recurrent_depth(
 
     if key is not None:
         v.key_arg(key)
-    s_n = _without_gradient(call, state, x, n, key, max_n, strategy, with_index)
+    s_n = _without_gradient(call, state, x, n, key, max_n, strategy, with_index, slots)
     out = readout if readout is not None else (lambda s: s)
     s_out, ys = _with_gradient(call, s_n, x, n, k, key, out if return_all else None, max_k,
-                               strategy, checkpoints)  # fmt: skip
+                               strategy, checkpoints, slots)  # fmt: skip
     return (s_out, ys) if return_all else s_out
 
 
 def _without_gradient(call: Callable, state: Any, x: Any, n: Any, key: Any, max_n: int,
-                      strategy: str, with_index: bool) -> Any:  # fmt: skip
+                      strategy: str, with_index: bool, slots: Any) -> Any:  # fmt: skip
     """Phase 1: ``n`` iterations, nothing differentiated (the state itself if ``n == 0``)."""
     i_example = np.zeros((), np.int32)  # concrete, also under jit
     key_example = None if key is None else jax.random.fold_in(key, 0)
@@ -152,13 +157,15 @@ def _without_gradient(call: Callable, state: Any, x: Any, n: Any, key: Any, max_
         key=key,
         strategy="auto" if strategy == "auto" else "while",
         with_index=with_index,
+        # (another strategy's `slots` is refused by the differentiated phase, under its name)
+        slots=slots if strategy == "auto" else None,
     )
     return jax.tree_util.tree_map(lambda a, b: jnp.where(n == 0, a, b), state, s_n)
 
 
 def _with_gradient(call: Callable, s_n: Any, x: Any, n: Any, k: Any, key: Any,
                    readout: Callable | None, max_k: int, strategy: str,
-                   checkpoints: int | None) -> tuple[Any, Any]:  # fmt: skip
+                   checkpoints: int | None, slots: Any) -> tuple[Any, Any]:  # fmt: skip
     """Phase 2: ``k`` iterations with gradient; iteration ``n + j`` gets ``step_key(key, n +
     j)``. Returns the final state and the stacked ``readout`` of each (None without one)."""
     if key is not None:
@@ -174,7 +181,6 @@ def _with_gradient(call: Callable, s_n: Any, x: Any, n: Any, k: Any, key: Any,
         y = readout(s) if readout is not None else None
         return (s, i + 1), y
 
-    (s_out, _), ys = scan(
-        f2, (s_n, n), None, depth=k, length=max_k, strategy=strategy, checkpoints=checkpoints
-    )
+    (s_out, _), ys = scan(f2, (s_n, n), None, depth=k, length=max_k, strategy=strategy,
+                          checkpoints=checkpoints, slots=slots)  # fmt: skip
     return s_out, ys

@@ -18,14 +18,22 @@ def test_lines_of_a_known_cost_give_it_back(seed):
         fixed_seconds=float(rng.uniform(1e-6, 5e-5)),
         flops_per_second=float(rng.uniform(1e10, 1e15)),
         row_floor_seconds=float(rng.uniform(1e-9, 1e-7)),
+        bytes_per_second=float(rng.uniform(1e9, 1e13)),
     )
     slots = _calibrate.slot_counts(int(rng.choice([128, 512, 4096])))
-    row_flops = float(rng.uniform(1e3, 1e9))
+    row_flops, weight_bytes = float(rng.uniform(1e3, 1e9)), float(rng.uniform(1e4, 1e8))
     floor = [want.fixed_seconds + s * want.row_floor_seconds for s in slots]
-    matmul = [want.fixed_seconds + s * row_flops / want.flops_per_second for s in slots]
-    got = _calibrate.cost_of_lines(slots, floor, matmul, row_flops)
-    for field in ("fixed_seconds", "flops_per_second", "row_floor_seconds"):
+    fixed_mm = want.fixed_seconds + weight_bytes / want.bytes_per_second
+    matmul = [fixed_mm + s * row_flops / want.flops_per_second for s in slots]
+    got = _calibrate.cost_of_lines(slots, floor, matmul, row_flops, weight_bytes)
+    for field in ("fixed_seconds", "flops_per_second", "row_floor_seconds", "bytes_per_second"):
         assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-6), field
+
+
+def test_weights_that_cost_nothing_read_at_an_infinite_rate():
+    slots = _calibrate.slot_counts(512)
+    line = [1e-6 + s * 1e-8 for s in slots]
+    assert _calibrate.cost_of_lines(slots, line, line, 1e3, 1e6).bytes_per_second == np.inf
 
 
 def test_fit_line_clamps_what_noise_tilts_below_zero():
@@ -40,12 +48,14 @@ def test_measured_cost_is_usable_by_the_slot_rule():
     cost = dyndepth.measure_iteration_cost(batch=128, width=16, depth=2, repeats=1)
     assert isinstance(cost, dyndepth.IterationCost)
     assert cost.fixed_seconds >= 0 and cost.flops_per_second > 0 and cost.row_floor_seconds > 0
+    assert cost.bytes_per_second > 0
     platform = jax.default_backend()
+    suite_cost = _cost.backend_cost(platform)  # (tests/conftest.py's, which the suite runs on)
     try:
         dyndepth.set_iteration_cost(platform, cost)
         assert _cost.backend_cost().fixed_rows(1e6) == pytest.approx(cost.fixed_rows(1e6))
     finally:
-        dyndepth.set_iteration_cost(platform, None)
+        dyndepth.set_iteration_cost(platform, suite_cost)
 
 
 @pytest.mark.parametrize(

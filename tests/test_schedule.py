@@ -1,5 +1,6 @@
 """The per-sample scheduler: results and gradients equal the unscheduled loop, work ~ sum(depth)."""
 
+import dataclasses
 import re
 from functools import partial
 
@@ -423,8 +424,10 @@ def test_measured_costs_choose_for_their_backend():
     """The measured defaults: on the GPU constants the long-tail batch of the H200 measurement
     (B=4096, 134,800 steps, the longest 165) takes 1,024 slots (its measured best), and a batch
     of 256 of a width-256 step runs in lockstep; on the CPU a width-64 step's uniform batch takes
-    B / 2. An unknown platform takes the GPU's costs."""
-    gpu, cpu = dd_cost.backend_cost("gpu"), dd_cost.backend_cost("cpu")
+    B / 2, and a width-256 step's takes B / 2 too, where without the weights read at every
+    iteration it took B / 4 (1.6x slower, measured). An unknown platform takes the GPU's
+    costs. (The suite's own CPU costs are tests/conftest.py's: the defaults are read apart.)"""
+    gpu, cpu = dd_cost.backend_cost("gpu"), dd_cost._DEFAULTS["cpu"]
     assert dd_cost.backend_cost("some-accelerator") == gpu
 
     def flops(width):
@@ -438,8 +441,30 @@ def test_measured_costs_choose_for_their_backend():
     assert rule.candidates[int(rule.choose(jnp.asarray(long_tail)))] == 1024
     assert _schedule.SlotRule.of(None, 256, gpu.fixed_rows(flops(256))).candidates == (256,)
     uniform = np.arange(512) % 128 + 1
-    rule = _schedule.SlotRule.of(None, 512, cpu.fixed_rows(flops(64)))
+    rule = _schedule.SlotRule.of(None, 512, cpu.fixed_rows(flops(64), 64 * 64 * 4))
     assert rule.candidates[int(rule.choose(jnp.asarray(uniform)))] == 256
+    # benchmarks/scheduler.py's uniform batch (B=256, sum 12,654, max 100) of x + tanh(x W)
+    uniform = np.array([100] + [50] * 250 + [(12_654 - 100 - 50 * 250) // 5] * 5)
+    row_flops = dd_cost.jaxpr_flops(jax.make_jaxpr(lambda x: x + jnp.tanh(x @ W256))(X256).jaxpr)
+    for weights, want in ((256 * 256 * 4, 128), (0, 64)):
+        rule = _schedule.SlotRule.of(None, 256, cpu.fixed_rows(row_flops, weights))
+        assert rule.candidates[int(rule.choose(jnp.asarray(uniform)))] == want, weights
+
+
+W256, X256 = jnp.zeros((256, 256)), jnp.zeros(256)
+
+
+def test_an_iteration_reads_the_shared_weights_once():
+    """The fixed cost in rows counts the shared operands' bytes at the backend's rate; the
+    default rate (infinite) leaves them out."""
+    cost = dd_cost.IterationCost(fixed_seconds=2e-6, flops_per_second=1e9, row_floor_seconds=0.0,
+                                 bytes_per_second=1e9)  # fmt: skip
+    assert cost.fixed_rows(1e3) == pytest.approx(2.0)
+    assert cost.fixed_rows(1e3, 3e3) == pytest.approx(5.0)
+    plain = dd_cost.IterationCost(fixed_seconds=2e-6, flops_per_second=1e9, row_floor_seconds=0.0)
+    assert plain.fixed_rows(1e3, 3e3) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="bytes_per_second > 0"):
+        dyndepth.set_iteration_cost("cpu", dataclasses.replace(cost, bytes_per_second=0.0))
 
 
 @pytest.mark.parametrize("slots", [3, None, (3, 1)])

@@ -9,11 +9,13 @@ iteration is the difference between runs of two depths over the difference of th
 iterations (what a call costs apart from its loops cancels), and it is a line in ``S``. Two
 steps are timed: one of a few elementwise operations, whose line gives the fixed cost
 (intercept) and a row's least cost (slope), and one matrix product of a known number of
-operations, whose slope gives the backend's rate.
+operations, whose slope gives the backend's rate and whose intercept, beyond the elementwise
+step's, the rate at which an iteration reads the step's weights.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import jax
@@ -54,9 +56,10 @@ def measure_iteration_cost(
             def per_iteration(f, S):
                 return (t(f, 2 * depth, S) - t(f, depth, S)) / (it(2 * depth, S) - it(depth, S))
             fixed, floor_row = fit_line(slots, [per_iteration(add, S) for S in slots])
-            _, row = fit_line(slots, [per_iteration(mat, S) for S in slots])
+            fixed_mat, row = fit_line(slots, [per_iteration(mat, S) for S in slots])
             return IterationCost(fixed_seconds=fixed, flops_per_second=flops(mat) / row,
-                                 row_floor_seconds=floor_row)
+                                 row_floor_seconds=floor_row,
+                                 bytes_per_second=bytes(W) / (fixed_mat - fixed))
 
     ``fit_line`` is a least-squares line (intercept, slope), clamped to be non-negative (the
     slope to at least 1e-15 s). Use it once per machine, before the first call of a jitted
@@ -91,20 +94,24 @@ def measure_iteration_cost(
         return [_seconds_per_iteration(step, x, depth, s, repeats) for s in slots]
 
     row_flops = jaxpr_flops(jax.make_jaxpr(matmul_step)(jnp.zeros((width,), jnp.float32)).jaxpr)
-    return cost_of_lines(
-        slots, per_iteration(floor_step, FLOOR_WIDTH), per_iteration(matmul_step, width), row_flops
-    )
+    floor, matmul = per_iteration(floor_step, FLOOR_WIDTH), per_iteration(matmul_step, width)
+    return cost_of_lines(slots, floor, matmul, row_flops, W.size * W.dtype.itemsize)
 
 
-def cost_of_lines(slots, floor_seconds, matmul_seconds, row_flops: float) -> IterationCost:
+def cost_of_lines(slots, floor_seconds, matmul_seconds, row_flops: float,
+                  weight_bytes: float) -> IterationCost:  # fmt: skip
     """The :class:`IterationCost` of an iteration's measured seconds at each slot count, for
     the elementwise step (``floor_seconds``) and the matrix product of ``row_flops``
-    operations per row (``matmul_seconds``)."""
+    operations per row and ``weight_bytes`` of weights (``matmul_seconds``): what the matrix
+    product's iteration costs beyond the elementwise one's, whatever its rows, is reading
+    the weights (none: an infinite rate)."""
     fixed, floor_row = fit_line(slots, floor_seconds)
-    _, row = fit_line(slots, matmul_seconds)
+    fixed_mm, row = fit_line(slots, matmul_seconds)
+    extra = fixed_mm - fixed
     return IterationCost(
-        fixed_seconds=fixed, flops_per_second=row_flops / row, row_floor_seconds=floor_row
-    )
+        fixed_seconds=fixed, flops_per_second=row_flops / row, row_floor_seconds=floor_row,
+        bytes_per_second=weight_bytes / extra if extra > 0 else math.inf,
+    )  # fmt: skip
 
 
 def fit_line(xs, ys) -> tuple[float, float]:

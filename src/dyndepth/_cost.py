@@ -1,19 +1,23 @@
 """The scheduler's time model: what one loop iteration costs on a backend.
 
 An iteration of a scheduled loop over ``S`` slots costs ``fixed + S x row`` seconds: a fixed
-part (launching the iteration's kernels, the loop's own bookkeeping) and a part per row (the
-step on one sample). With ``C(S)`` iterations, a schedule takes ``C(S) x (fixed + S x row)``;
-only the ratio matters for choosing ``S``, so the model is one number, the fixed cost in rows:
-``fixed_rows = fixed / row``. Minimizing executed sample-steps is the same model with
-``fixed_rows = 0``.
+part (launching the iteration's kernels, the loop's own bookkeeping, and reading the step's
+shared operands, its weights, which every iteration reads once whatever its rows) and a part
+per row (the step on one sample). With ``C(S)`` iterations, a schedule takes
+``C(S) x (fixed + S x row)``; only the ratio matters for choosing ``S``, so the model is one
+number, the fixed cost in rows: ``fixed_rows = fixed / row``. Minimizing executed
+sample-steps is the same model with ``fixed_rows = 0``.
 
 ``row`` is estimated from the step's floating-point operations (``2 x m x n x k`` per matrix
 product, one per element of anything else), floored by the least a row costs on the backend
 (small steps are bound by memory and launches, not arithmetic). The constants below were fitted
 to measurements: the GPU's on one NVIDIA H200 (``repeat_batched`` forward, steps of width 256
 and 1024, ``shared/designs/gpu_time_model.md``: ``fixed_rows`` about 2,000-3,000), the CPU's on
-the project's 2-core machine (width 64, ``benchmarks/slot_sweep.py``: about 20). TPUs were not
-measured; they take the GPU's constants.
+the project's 2-core machine (width 64, ``benchmarks/slot_sweep.py``: about 20). The rate at
+which an iteration reads the shared operands: on the CPU fitted to a width-256 step's forward
+iteration, about 20 us whatever its rows for 256 KiB of weights (``measure_iteration_cost``
+fits it too); on the GPU the H200's memory bandwidth, rounded down from its nominal 4.8 TB/s,
+not measured. TPUs were not measured; they take the GPU's constants.
 """
 
 from __future__ import annotations
@@ -27,22 +31,33 @@ import jax
 
 @dataclasses.dataclass(frozen=True)
 class IterationCost:
-    """A backend's costs: ``fixed_seconds`` per loop iteration, and per row the larger of
-    ``row_flops / flops_per_second`` and ``row_floor_seconds``."""
+    """A backend's costs: per loop iteration ``fixed_seconds`` plus the step's shared operands
+    (its weights) read once, ``shared_bytes / bytes_per_second``; per row the larger of
+    ``row_flops / flops_per_second`` and ``row_floor_seconds``. The default
+    ``bytes_per_second`` (infinite) leaves the weights out."""
 
     fixed_seconds: float
     flops_per_second: float
     row_floor_seconds: float
+    bytes_per_second: float = math.inf
 
-    def fixed_rows(self, row_flops: float) -> float:
-        """The fixed cost of an iteration in rows of a step of ``row_flops`` operations."""
+    def fixed_rows(self, row_flops: float, shared_bytes: float = 0.0) -> float:
+        """The fixed cost of an iteration in rows of a step of ``row_flops`` operations whose
+        operands shared by the rows take ``shared_bytes``."""
         row = max(row_flops / self.flops_per_second, self.row_floor_seconds)
-        return self.fixed_seconds / row if row > 0 else 0.0
+        fixed = self.fixed_seconds + shared_bytes / self.bytes_per_second
+        return fixed / row if row > 0 else 0.0
 
 
-_GPU = IterationCost(fixed_seconds=30e-6, flops_per_second=2.8e14, row_floor_seconds=10e-9)
+_GPU = IterationCost(fixed_seconds=30e-6, flops_per_second=2.8e14, row_floor_seconds=10e-9,
+                     bytes_per_second=4e12)  # fmt: skip
 BACKEND_COSTS: dict[str, IterationCost] = {
-    "cpu": IterationCost(fixed_seconds=2.7e-6, flops_per_second=5.5e10, row_floor_seconds=2e-9),
+    "cpu": IterationCost(
+        fixed_seconds=2.7e-6,
+        flops_per_second=5.5e10,
+        row_floor_seconds=2e-9,
+        bytes_per_second=1.5e10,
+    ),  # fmt: skip
     "gpu": _GPU,
     "cuda": _GPU,
     "rocm": _GPU,
@@ -78,10 +93,11 @@ def set_iteration_cost(platform: str, cost: IterationCost | None) -> None:
         return
     if not isinstance(cost, IterationCost):
         raise TypeError(f"`cost` must be a dyndepth.IterationCost or None, got {cost!r}")
-    if cost.fixed_seconds < 0 or cost.flops_per_second <= 0 or cost.row_floor_seconds < 0:
+    if (cost.fixed_seconds < 0 or cost.flops_per_second <= 0 or cost.row_floor_seconds < 0
+            or not cost.bytes_per_second > 0):  # fmt: skip
         raise ValueError(
-            f"`cost` needs fixed_seconds >= 0, flops_per_second > 0 and row_floor_seconds >= 0, "
-            f"got {cost!r}"
+            f"`cost` needs fixed_seconds >= 0, flops_per_second > 0, row_floor_seconds >= 0 and "
+            f"bytes_per_second > 0, got {cost!r}"
         )
     BACKEND_COSTS[platform] = cost
 

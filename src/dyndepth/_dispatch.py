@@ -169,7 +169,7 @@ def _forward_rows(loop, level, store, plan, ops: LoopOperands) -> list:
             return _batched.forward(*args, store=store)
         if loop.cond_jaxpr is None:
             return _schedule.run_with_slots(
-                n, _schedule.SlotRule.for_loop(loop, rows),
+                n, _schedule.SlotRule.for_loop(loop, rows, consts, c_axes),
                 lambda: _batched.forward(*args, store=store),
                 lambda queue, S: _schedule.forward_wrapped(
                     *args, store=store, slots=S, queue=queue
@@ -177,7 +177,7 @@ def _forward_rows(loop, level, store, plan, ops: LoopOperands) -> list:
             )  # fmt: skip
         # Stopping steps are unknown before the loop runs: continuous batching in a quarter of
         # the rows, all of them where iterations cost more than rows (or the given slots).
-        slots = _schedule.refill_slots(loop.slots, rows, _schedule.fixed_rows(loop))
+        slots = _schedule.refill_slots(loop.slots, rows, _schedule.fixed_rows(loop, consts, c_axes))
         if slots >= rows:
             return _batched.forward(*args, store=store)
         return _schedule.forward_refill(*args, store=store, slots=slots)
@@ -286,7 +286,7 @@ def _backward_rows(loop, level, pert, plan, use_ext, ops: BwdOperands) -> list:
         args = (loop, pert, consts, c_axes, xs, kd, (buf, stride), steps, ct_c, ct_y)
         if res_b.steps and not loop.thinning and _schedulable(loop, steps.shape[0]):
             acc, ct, ct_xs = _schedule.run_with_slots(
-                steps, _schedule.SlotRule.for_loop(loop, steps.shape[0]),
+                steps, _schedule.SlotRule.for_loop(loop, steps.shape[0], consts, c_axes),
                 lambda: _batched.backward(*args, per_row=per_row),
                 lambda queue, S: _schedule.backward_wrapped(
                     *args, per_row=per_row, slots=S, queue=queue

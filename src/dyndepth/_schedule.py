@@ -103,10 +103,11 @@ class SlotRule:
         return SlotRule(tuple(sorted({min(c, batch) for c in counts}, reverse=True)), fixed_rows)
 
     @staticmethod
-    def for_loop(loop: Loop, batch: int) -> SlotRule:
+    def for_loop(loop: Loop, batch: int, consts, c_axes) -> SlotRule:
         """The rule of ``loop`` over ``batch`` rows, its step's fixed cost in rows read from the
-        default backend's costs."""
-        return SlotRule.of(loop.slots, batch, fixed_rows(loop))
+        default backend's costs (``consts`` with axis ``None`` in ``c_axes``: the weights every
+        iteration reads once)."""
+        return SlotRule.of(loop.slots, batch, fixed_rows(loop, consts, c_axes))
 
     def choose(self, lengths: jax.Array) -> jax.Array:
         if self.fixed_rows is None:
@@ -114,9 +115,12 @@ class SlotRule:
         return choose_by_time(lengths, self.candidates, self.fixed_rows)
 
 
-def fixed_rows(loop: Loop) -> float:
-    """An iteration's fixed cost in rows of ``loop``'s step, on the default backend."""
-    return _cost.backend_cost().fixed_rows(_cost.jaxpr_flops(loop.step_jaxpr.jaxpr))
+def fixed_rows(loop: Loop, consts, c_axes) -> float:
+    """An iteration's fixed cost in rows of ``loop``'s step on the default backend, the step's
+    consts shared by the rows (axis ``None``) read once per iteration."""
+    shared = sum(math.prod(c.shape) * c.dtype.itemsize
+                 for c, ax in zip(consts, c_axes, strict=True) if ax is None)  # fmt: skip
+    return _cost.backend_cost().fixed_rows(_cost.jaxpr_flops(loop.step_jaxpr.jaxpr), shared)
 
 
 def refill_slots(slots: int | tuple[int, ...] | str | None, batch: int, fixed_rows: float) -> int:

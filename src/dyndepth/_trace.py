@@ -228,9 +228,10 @@ def _build_loop(flat_step: Callable, seen: dict, cond_fn: Callable | None,
             return cond_fn(carry), priority_fn(carry)
 
         cond_jaxpr, cconsts, c_out = closure_convert(flat_cond, *examples)
-        _check_cond_output(c_out if priority_fn is None else c_out[0])
+        cond_out = c_out if priority_fn is None else c_out[0]
+        _check_scalar_output(cond_out, "cond_fun", "a boolean scalar", _is_bool)
         if priority_fn is not None:
-            _check_priority_output(c_out[1])
+            _check_scalar_output(c_out[1], "priority", "a real scalar (an int or float)", _is_real)
     S = len(inputs.stacked)
     loop = Loop(
         step_jaxpr=jaxpr, cond_jaxpr=cond_jaxpr, n_consts=S + len(consts),
@@ -410,25 +411,20 @@ def _context() -> Any:
             jax.config.jax_numpy_dtype_promotion)  # fmt: skip
 
 
-def _check_priority_output(p_out: Any) -> None:
-    leaves = jax.tree_util.tree_leaves(p_out)
-    if len(leaves) != 1 or leaves[0].shape != () or not _is_real(leaves[0].dtype):
+def _check_scalar_output(out: Any, name: str, kind: str, dtype_ok: Callable) -> None:
+    """Raise unless the function ``name`` returned one scalar whose dtype ``dtype_ok`` accepts
+    (``kind`` says which, in the message)."""
+    leaves = jax.tree_util.tree_leaves(out)
+    if len(leaves) != 1 or leaves[0].shape != () or not dtype_ok(leaves[0].dtype):
         got = ", ".join(f"{a.dtype}{list(a.shape)}" for a in leaves) or "nothing"
         raise TypeError(
-            f"`priority` must return a real scalar (an int or float), got {got}; under vmap, "
-            "write it for one sample"
+            f"`{name}` must return {kind}, got {got}; under vmap, write it for one sample"
         )
+
+
+def _is_bool(dtype: Any) -> bool:
+    return np.dtype(dtype) == np.bool_
 
 
 def _is_real(dtype: Any) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating))
-
-
-def _check_cond_output(c_out: Any) -> None:
-    leaves = jax.tree_util.tree_leaves(c_out)
-    if len(leaves) != 1 or leaves[0].shape != () or np.dtype(leaves[0].dtype) != np.bool_:
-        got = ", ".join(f"{a.dtype}{list(a.shape)}" for a in leaves) or "nothing"
-        raise TypeError(
-            f"`cond_fun` must return a boolean scalar, got {got}; under vmap, write it for one "
-            "sample"
-        )

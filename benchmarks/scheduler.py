@@ -274,15 +274,18 @@ def compile_seconds(strategy, batch, width, hi, slots=None, step="tanh"):
 
 
 def default_counts(batch, width, step):
-    """The slot counts the default rule compiles for the step on this backend."""
+    """The slot counts the default rule compiles for the step on this backend (its weights,
+    shared by the samples, read once per iteration)."""
     if step == "tanh":
-        fn, x = layer(jnp.zeros((width, width))), jnp.zeros((width,))
+        p = jnp.zeros((width, width))
+        fn, x = layer(p), jnp.zeros((width,))
     else:
         p = {n: jnp.zeros((width, m * width)) for n, m in (("q", 1), ("k", 1), ("v", 1), ("o", 1))}
         p |= dict(up=jnp.zeros((width, 4 * width)), down=jnp.zeros((4 * width, width)))
         fn, x = (lambda x: block(p, x)), jnp.zeros((SEQ, width))
     flops = dd_cost.jaxpr_flops(jax.make_jaxpr(fn)(x).jaxpr)
-    return SlotRule.of(None, batch, dd_cost.backend_cost().fixed_rows(flops)).candidates
+    weights = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(p))
+    return SlotRule.of(None, batch, dd_cost.backend_cost().fixed_rows(flops, weights)).candidates
 
 
 def compile_table(rows):

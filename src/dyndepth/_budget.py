@@ -26,7 +26,7 @@ STORED_CARRY_BUDGET = 512 * 2**20
 
 
 def nbytes(avals) -> int:
-    """Bytes of arrays of the abstract values ``avals`` (one of each)."""
+    """Bytes of ``avals``: arrays, or abstract values (an array of each)."""
     return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in avals)
 
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _checks
+from ._budget import nbytes
 from ._cost import IterationCost, jaxpr_flops
 from ._loop import repeat_batched
 
@@ -95,7 +96,7 @@ def measure_iteration_cost(
 
     row_flops = jaxpr_flops(jax.make_jaxpr(matmul_step)(jnp.zeros((width,), jnp.float32)).jaxpr)
     floor, matmul = per_iteration(floor_step, FLOOR_WIDTH), per_iteration(matmul_step, width)
-    return cost_of_lines(slots, floor, matmul, row_flops, W.size * W.dtype.itemsize)
+    return cost_of_lines(slots, floor, matmul, row_flops, nbytes([W]))
 
 
 def cost_of_lines(slots, floor_seconds, matmul_seconds, row_flops: float,

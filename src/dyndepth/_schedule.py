@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from . import _cost, _sharding, _vma
 from ._batched import const_accumulators, rows_vjp, stats_of, store_state
+from ._budget import nbytes
 from ._derivative import Perturbed
 from ._leaves import where_rows
 from ._step import Loop
@@ -118,8 +119,7 @@ class SlotRule:
 def fixed_rows(loop: Loop, consts, c_axes) -> float:
     """An iteration's fixed cost in rows of ``loop``'s step on the default backend, the step's
     consts shared by the rows (axis ``None``) read once per iteration."""
-    shared = sum(math.prod(c.shape) * c.dtype.itemsize
-                 for c, ax in zip(consts, c_axes, strict=True) if ax is None)  # fmt: skip
+    shared = nbytes([c for c, ax in zip(consts, c_axes, strict=True) if ax is None])
     return _cost.backend_cost().fixed_rows(_cost.jaxpr_flops(loop.step_jaxpr.jaxpr), shared)
 
 

@@ -11,7 +11,7 @@ import pytest
 from helpers import applicable, tree_allclose
 
 import dyndepth
-from dyndepth import _checks, _schedule
+from dyndepth import _budget, _checks, _schedule
 from dyndepth import _cost as dd_cost
 
 D = 3
@@ -452,6 +452,21 @@ def test_measured_costs_choose_for_their_backend():
 
 
 W256, X256 = jnp.zeros((256, 256)), jnp.zeros(256)
+
+
+def test_a_shared_typed_key_is_priced_with_the_weights():
+    """A step closing over a typed PRNG key (a const shared by the rows, of an extended dtype)
+    runs scheduled, its key's data counted among the shared bytes."""
+    key = jax.random.key(7)
+
+    def step(x):
+        return x + jax.random.normal(key, x.shape)
+
+    xs, ds = jnp.zeros((6, D)), jnp.asarray([0, 1, 2, 3, 1, 0], jnp.int32)
+    out = jax.vmap(lambda x, d: dyndepth.repeat(step, x, d, max_depth=3))(xs, ds)
+    want = ds[:, None].astype(jnp.float32) * jax.random.normal(key, (D,))
+    np.testing.assert_allclose(out, want, rtol=1e-6)
+    assert _budget.nbytes([key, jnp.zeros(3)]) == key.dtype.itemsize + 12
 
 
 def test_an_iteration_reads_the_shared_weights_once():

@@ -26,8 +26,9 @@ STORED_CARRY_BUDGET = 512 * 2**20
 
 
 def nbytes(avals) -> int:
-    """Bytes of ``avals``: arrays, or abstract values (an array of each)."""
-    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in avals)
+    """Bytes of ``avals``: arrays, or abstract values (an array of each); typed PRNG keys
+    count their key data (their dtype's ``itemsize``, which ``np.dtype`` cannot read)."""
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in avals)
 
 
 def bounded_checkpoints(carry_bytes: int, length: int) -> int | None:

@@ -10,7 +10,10 @@ imports nothing else from the core, so a layer's dependencies on internals are a
 - :func:`dyndepth._sharding.zeros`: a buffer typed like a value (with its sharding on an Explicit
   mesh), to be written inside a step;
 - :func:`stopped`: a function called inside a step with every value it closes over behind
-  ``stop_gradient``.
+  ``stop_gradient``;
+- :func:`dyndepth._trace.call_step`: the user's function called as the loops call a step (a
+  keyword-only ``key`` as a keyword; a signature that takes neither form, an error naming the
+  arguments that decide the call).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from ._loop import scan_stacked as scan_stacked
 from ._loop import while_loop as while_loop
 from ._sharding import zeros as zeros
 from ._step import closure_convert
+from ._trace import call_step as call_step
 from ._types import Strategy as Strategy
 
 

@@ -93,32 +93,22 @@ def _work_stats(stats: jax.Array) -> dict:
     return {"iterations": jnp.max(stats[:, 0]), "executed_sample_steps": jnp.sum(stats[:, 1])}
 
 
-def _carry_kind(with_key: bool, fname: str) -> StepKind:
+def _carry_kind(with_key: bool, fname: str, key_name: str = "key") -> StepKind:
     return StepKind(with_x=False, with_key=with_key, with_stacked=False, returns_y=False,
-                    fname=fname)  # fmt: skip
+                    fname=fname, key_name=key_name)  # fmt: skip
 
 
-def _indexed(with_index: bool, kind: StepKind, fn: Callable, xs: Any,
-             length: int) -> tuple[StepKind, Callable, Any]:  # fmt: skip
-    """``(kind, step, xs)`` for the loop. With ``with_index``, ``fn(i, carry[, x][, key])`` runs
-    as a step whose per-step input is ``(i, x)`` (``i`` alone without ``xs``), ``i`` read from
-    ``jnp.arange(length)``: a sample reads the input of its own step (under the per-sample
-    scheduler too), so ``i`` is that sample's own step number, the one its key is folded with.
-    The index is an input shared by a vmapped batch, not a carry: nothing more is stored."""
+def _indexed(with_index: bool, kind: StepKind, xs: Any, length: int) -> tuple[StepKind, Any]:
+    """``(kind, xs)`` for the loop. With ``with_index``, the step is called as ``fn(i,
+    carry[, x][, key])``, its per-step input ``(i, x)`` (``i`` alone without ``xs``), ``i``
+    read from ``jnp.arange(length)``: a sample reads the input of its own step (under the
+    per-sample scheduler too), so ``i`` is that sample's own step number, the one its key is
+    folded with. The index is an input shared by a vmapped batch, not a carry: nothing more is
+    stored."""
     if not _checks.bool_arg(with_index, "with_index"):
-        return kind, fn, xs
+        return kind, xs
     index = jnp.arange(length, dtype=jnp.int32)
-    if kind.with_x:
-
-        def with_x(carry, ix, *key):
-            return fn(ix[0], carry, ix[1], *key)
-
-        return kind, with_x, (index, xs)
-
-    def step(carry, i, *key):
-        return fn(i, carry, *key)
-
-    return dataclasses.replace(kind, with_x=True), step, index
+    return dataclasses.replace(kind, with_index=True), (index, xs) if kind.with_x else index
 
 
 def repeat(
@@ -146,9 +136,10 @@ def repeat(
 
     **Arguments:**
 
-    - ``f``: ``f(carry) -> carry``, or ``f(carry, key) -> carry`` when ``key`` is given. It must
-      return a carry of the same pytree structure, shapes and dtypes as ``init``. Parameters it
-      closes over receive gradients.
+    - ``f``: ``f(carry) -> carry``, or ``f(carry, key) -> carry`` when ``key`` is given (a
+      keyword-only ``key``, ``def f(carry, *, key=None)`` as Equinox writes it, is passed as
+      ``key=``). It must return a carry of the same pytree structure, shapes and dtypes as
+      ``init``. Parameters it closes over receive gradients.
     - ``init``: any pytree of arrays (float, int and bool leaves; zero-size arrays allowed).
     - ``depth``: a Python int or an integer scalar array. It may be traced under ``jit`` and
       batched under ``vmap`` (one depth per sample). A concrete value outside
@@ -252,9 +243,11 @@ def repeat(
     **Returns:** the carry after ``min(max(depth, 0), max_depth)`` applications of ``f``.
     ``depth == 0`` returns ``init``.
 
-    **Raises** (at trace time): ``TypeError`` if ``f`` is not callable, if ``key`` is not a PRNG
-    key, if ``depth`` is not an integer, if ``checked`` is not a bool, or if ``f`` changes the
-    carry's structure, shape or dtype (the message names the leaf); ``ValueError`` if
+    **Raises** (at trace time): ``TypeError`` if ``f`` is not callable, if its signature does
+    not take the call that ``key`` and ``with_index`` decide (the message names them and the
+    call expected), if ``key`` is not a PRNG key, if ``depth`` is not an integer, if
+    ``checked`` is not a bool, or if ``f`` changes the carry's structure, shape or dtype (the
+    message names the leaf); ``ValueError`` if
     ``max_depth`` is negative, a concrete ``depth`` is out of range, ``depth`` is not a scalar,
     ``checkpoints < 1``, ``strategy`` is unknown, ``checkpoints`` is given to ``"masked"`` or
     ``"while"``, ``slots`` to a strategy other than ``"auto"``, or ``slots`` is an empty
@@ -271,9 +264,9 @@ def repeat(
     slots = _checks.slots_arg(slots)
     checked = _checks.bool_arg(checked, "checked")
     n = _checks.count_arg(depth, "depth", "max_depth", max_depth, checked)
-    kind, step, xs = _indexed(with_index, _carry_kind(key is not None, "f"), f, None, max_depth)
+    kind, xs = _indexed(with_index, _carry_kind(key is not None, "f"), None, max_depth)
     carry, _, _, _ = _run(
-        kind, step, None, init, xs, n, key,
+        kind, f, None, init, xs, n, key,
         length=max_depth, strategy=strategy, checkpoints=checkpoints, slots=slots,
     )  # fmt: skip
     return carry
@@ -351,9 +344,9 @@ def scan(
     checked = _checks.bool_arg(checked, "checked")
     n = _checks.count_arg(depth, "depth", "length", length, checked)
     kind = StepKind(with_x=True, with_key=key is not None, with_stacked=False, returns_y=True)
-    kind, step, xs = _indexed(with_index, kind, f, xs, length)
+    kind, xs = _indexed(with_index, kind, xs, length)
     carry, ys, _, _ = _run(
-        kind, step, None, init, xs, n, key,
+        kind, f, None, init, xs, n, key,
         length=length, strategy=strategy, checkpoints=checkpoints, slots=slots,
     )  # fmt: skip
     return carry, ys
@@ -467,9 +460,9 @@ def while_loop(
     return_steps = _checks.bool_arg(return_steps, "return_steps")
     return_stats = _checks.bool_arg(return_stats, "return_stats")
     kind = _carry_kind(key is not None, "body_fun")
-    kind, step, xs = _indexed(with_index, kind, body_fun, None, max_steps)
+    kind, xs = _indexed(with_index, kind, None, max_steps)
     carry, _, steps, stats = _run(
-        kind, step, cond_fun, init, xs, jnp.asarray(max_steps, jnp.int32), key,
+        kind, body_fun, cond_fun, init, xs, jnp.asarray(max_steps, jnp.int32), key,
         length=max_steps, strategy=strategy, checkpoints=checkpoints, slots=slots,
         stats_for="return_stats" if return_stats else None, priority_fn=priority,
     )  # fmt: skip
@@ -563,11 +556,11 @@ def repeat_batched(
         _checks.leading_axis(keys, "keys", B, "depths" if not shared else "inits")
         check_key(jax.ShapeDtypeStruct(keys.shape[1:], keys.dtype), "keys[0]")
 
-    kind, step, xs = _indexed(with_index, _carry_kind(keys is not None, "f"), f, None, max_depth)
+    kind, xs = _indexed(with_index, _carry_kind(keys is not None, "f", "keys"), None, max_depth)
 
     def one(init, depth, key):
         carry, _, _, stats = _run(
-            kind, step, None, init, xs, depth, key,
+            kind, f, None, init, xs, depth, key,
             length=max_depth, strategy="auto", checkpoints=checkpoints, slots=slots,
         )  # fmt: skip
         return carry, stats

@@ -1,7 +1,8 @@
 """How a user's step function becomes a :class:`dyndepth._step.Loop` (:func:`trace_loop`).
 
-The step is called as ``f(carry[, x][, key][, p])`` (:class:`StepKind`) on abstract examples
-of one sample and closure-converted (:func:`dyndepth._step.closure_convert`).
+The step is called as ``f([i, ]carry[, x][, p][, key])`` (:class:`StepKind`, :func:`call_step`)
+on abstract examples of one sample and closure-converted
+(:func:`dyndepth._step.closure_convert`).
 
 Typed PRNG keys in the carry, ``xs`` or ``ys`` travel as their key data (``uint32``) and are
 rewrapped for the user's function (:class:`Codec`). Weak types follow ``lax.while_loop``: a
@@ -18,6 +19,7 @@ compiled loop, as ``lax`` loops do.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -68,20 +70,35 @@ class Codec:
 
 @dataclasses.dataclass(frozen=True)
 class StepKind:
-    """How the user's function is called: ``f(carry[, x][, key][, p])``, and what it returns
-    (``carry`` alone, or ``(carry, y)``)."""
+    """How the user's function is called: ``f([i, ]carry[, x][, p][, key])``, and what it
+    returns (``carry`` alone, or ``(carry, y)``). With ``with_index``, the loop's per-step input
+    is the step index ``i`` (``(i, x)`` with ``with_x``). ``key_name`` is the loop argument
+    that gives the key (``key`` or ``keys``), for the error of a step that does not take it.
+    ``p``, a layer's slice of stacked parameters, is internal (``dyndepth.nn``) and comes
+    without a key."""
 
     with_x: bool
     with_key: bool
     with_stacked: bool
     returns_y: bool
     fname: str = "f"
+    with_index: bool = False
+    key_name: str = "key"
+
+    @property
+    def loop_xs(self) -> bool:
+        """Whether the loop has a per-step input (``x``, the step index, or both)."""
+        return self.with_x or self.with_index
 
 
 def _call_user(kind: StepKind, fn: Callable, carry, x, key, p):
-    args = [carry] + ([x] if kind.with_x else []) + ([key] if kind.with_key else [])
-    args += [p] if kind.with_stacked else []
-    out = fn(*args)
+    i = None
+    if kind.with_index:
+        i, x = x if kind.with_x else (x, None)
+    names = ["i"] * kind.with_index + ["carry"] + ["x"] * kind.with_x + ["p"] * kind.with_stacked
+    args = {"i": i, "carry": carry, "x": x, "p": p}
+    out = call_step(fn, kind.fname, names, [args[n] for n in names],
+                    key if kind.with_key else None, key_name=kind.key_name)  # fmt: skip
     if not kind.returns_y:
         return out, None
     if not isinstance(out, tuple | list) or len(out) != 2:
@@ -91,6 +108,68 @@ def _call_user(kind: StepKind, fn: Callable, carry, x, key, p):
             + "; for no per-step output, return `(carry, None)`"
         )
     return out[0], out[1]
+
+
+def call_step(fn: Callable, fname: str, names: Sequence[str], args: Sequence[Any], key: Any,
+              *, key_name: str = "key", index_hint: bool = True) -> Any:  # fmt: skip
+    """``fn(*args, key)`` (``fn(*args)`` when ``key`` is None), the user's step called as the
+    loop's arguments decide; ``names`` names ``args`` for the error message.
+
+    A step whose ``key`` is keyword-only (``def f(carry, *, key=None)``, Equinox's convention)
+    is called with ``key=key``. A step whose signature takes neither form raises a
+    ``TypeError`` naming the expected call and the arguments that decide it (``key_name=``,
+    ``with_index=``), instead of Python's count of positional arguments. The step is called
+    positionally first; its signature is read only when that call fails with a ``TypeError``,
+    and a ``TypeError`` raised inside the step (its arguments bind) propagates as it is.
+    ``index_hint``: whether the loop takes ``with_index`` (the message then mentions it)."""
+    full = [*args] if key is None else [*args, key]
+    try:
+        return fn(*full)
+    except TypeError as error:
+        if _binds(fn, full, {}) is not False:
+            raise  # raised inside the step, or its signature cannot be read
+        as_keyword = key is not None and _binds(fn, args, {"key": key})
+        if not as_keyword:
+            message = _signature_message(fn, fname, names, key, key_name, index_hint)
+            raise TypeError(message) from error
+    return fn(*args, key=key)
+
+
+def _binds(fn: Callable, args: Sequence[Any], kwargs: dict) -> bool | None:
+    """Whether ``fn``'s signature accepts ``fn(*args, **kwargs)``; None when it cannot be read."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
+
+
+def _signature_message(fn: Callable, fname: str, names: Sequence[str], key: Any,
+                       key_name: str, index_hint: bool) -> str:  # fmt: skip
+    """The error for a step whose signature does not take the loop's call: the call expected,
+    the loop arguments that decide it, and how to fix the step or the call."""
+    expected = f"{fname}({', '.join([*names, 'key'] if key is not None else names)})"
+    why = [f"`{key_name}=` is given" if key is not None else f"no `{key_name}=` is given"]
+    if "i" in names:
+        why.append("`with_index=True`")
+    if key is not None:
+        example = f"def {fname}({', '.join(names)}, *, key)"
+        fix = (f"take the step's key last (positionally, or as a keyword-only `key`, Equinox's "
+               f"convention: `{example}`), or leave out `{key_name}=`")  # fmt: skip
+    else:
+        fix = f"give the loop `{key_name}=` if the step takes a key last"
+    if "i" in names:
+        fix += ", and take the step index first or drop `with_index`"
+    elif index_hint:
+        fix += "; `with_index=True` passes the step index first"
+    return (
+        f"`{fname}` is called as `{expected}` because {' and '.join(why)}, but its signature is "
+        f"`{fname}{inspect.signature(fn)}`: {fix}"
+    )
 
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

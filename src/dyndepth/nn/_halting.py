@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._layers import Strategy, while_loop, zeros
+from .._layers import Strategy, call_step, while_loop, zeros
 from . import _validate as v
 
 __all__ = ["HaltingResult", "halting", "ponder_loss"]
@@ -160,13 +160,17 @@ def halting(
     return HaltingResult(final["state"], final["outputs"], p, steps)
 
 
+def _call(step_fn: Callable, state: Any, key: Any) -> Any:
+    """``step_fn(state[, key])``, as the loops call a step (a keyword-only ``key`` too)."""
+    return call_step(step_fn, "step_fn", ["state"], [state], key, index_hint=False)
+
+
 def _step_output_types(step_fn: Callable, state: Any, key: Any, halt: str) -> tuple[Any, Any]:
     """The types of ``step_fn``'s halting value and output ``y``, its outputs checked."""
     if key is not None:
         v.key_arg(key)
-        out = jax.eval_shape(step_fn, state, jax.random.fold_in(key, 0))
-    else:
-        out = jax.eval_shape(step_fn, state)
+        key = jax.random.fold_in(key, 0)
+    out = jax.eval_shape(lambda s, k: _call(step_fn, s, k), state, key)
     if not isinstance(out, tuple) or len(out) != 3:
         raise TypeError(
             "`step_fn` must return a tuple (state, lam, y), got "
@@ -197,7 +201,7 @@ def _halting_step(step_fn: Callable, kind: str, halt: str) -> Callable:
     ``p_t`` and output written at step ``t``, the probability left to halt updated."""
 
     def body(c, kk=None):
-        s, lam, y = step_fn(c["state"]) if kk is None else step_fn(c["state"], kk)
+        s, lam, y = _call(step_fn, c["state"], kk)
         lam = jnp.asarray(lam).astype(jnp.float32)
         if halt == "logit":
             lam = jax.nn.sigmoid(lam)

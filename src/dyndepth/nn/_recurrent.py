@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._layers import KeySchedule, Strategy, repeat, scan, stopped
+from .._layers import KeySchedule, Strategy, call_step, repeat, scan, stopped
 from . import _validate as v
 
 __all__ = ["recurrent_depth"]
@@ -119,7 +119,8 @@ def recurrent_depth(
     state = jax.tree_util.tree_map(jnp.asarray, state)
 
     def call(i, s, x, *kk):  # the user's core, given the iteration's index if it asks for it
-        return core(i, s, x, *kk) if with_index else core(s, x, *kk)
+        names, args = (["i", "state", "x"], [i, s, x]) if with_index else (["state", "x"], [s, x])
+        return call_step(core, "core", names, args, kk[0] if kk else None)
 
     if key is not None:
         v.key_arg(key)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import warnings
 from typing import Any
 
 import jax
@@ -64,6 +65,13 @@ def strategy_arg(strategy: Any) -> str:
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise ValueError(f"`strategy` must be one of {STRATEGIES}, got {strategy!r}")
     return strategy
+
+
+def deprecated(message: str) -> None:
+    """A ``DeprecationWarning`` pointing at the user's call of a public function, for a helper
+    of that function to call (the warning skips this function, the helper and the public
+    function)."""
+    warnings.warn(message, DeprecationWarning, stacklevel=4)
 
 
 def bool_arg(value: Any, name: str) -> bool:

@@ -42,8 +42,9 @@ def _run(kind: StepKind, fn: Callable, cond_fn: Callable | None, init: Any, xs: 
          checkpoints: int | None, slots: int | tuple[int, ...] | str | None,
          stats_for: str | None = None, priority_fn: Callable | None = None):  # fmt: skip
     """Trace the step, pick the strategy's runner and run. Returns ``(carry, ys, steps,
-    stats)`` as the user's pytrees. ``stats_for``: the argument that asked for the stats, if
-    any (the masked loop has none to report: every sample runs every step); ``priority_fn``:
+    stats)`` as the user's pytrees, ``stats`` None for the masked loop (every sample runs every
+    step: it has no work of its own to report). ``stats_for``: the argument that asked for the
+    stats, if any (the masked loop then raises); ``priority_fn``:
     the continuous-batching queue's order (see :func:`while_loop`)."""
     strategy = _checks.strategy_arg(strategy)
     if checkpoints is not None and strategy not in ("auto", "checkpointed"):
@@ -76,7 +77,8 @@ def _run(kind: StepKind, fn: Callable, cond_fn: Callable | None, init: Any, xs: 
                 "max_steps steps for every sample: there is nothing to report; drop "
                 f"`{stats_for}` or use strategy 'auto', 'checkpointed' or 'while'"
             )
-        carry, ys, steps, stats = _masked.run(loop, *operands)
+        carry, ys, steps, _ = _masked.run(loop, *operands)
+        stats = None
     else:
         _collectives.check_uneven_trip_counts(loop, kind.fname, n, traced.init)
         # Under jit, arrays placed on a mesh with Explicit axes are typed with it: the loop's
@@ -386,11 +388,12 @@ def while_loop(
     key: Any = None,
     strategy: Strategy = "auto",
     checkpoints: int | None = None,
-    return_steps: bool = False,
     slots: int | Sequence[int] | Literal["work"] | None = None,
     with_index: bool = False,
-    return_stats: bool = False,
     priority: Callable | None = None,
+    return_info: bool = False,
+    return_steps: bool | None = None,
+    return_stats: bool | None = None,
 ) -> Any:
     """A bounded while loop with a data-dependent stop, reverse-differentiable.
 
@@ -401,7 +404,7 @@ def while_loop(
             while i < max_steps and cond_fun(carry):
                 carry = body_fun(carry, dyndepth.step_key(key, i))
                 i += 1
-            return (carry, i) if return_steps else carry
+            return (carry, {"steps": i, ...}) if return_info else carry
 
     **Arguments:**
 
@@ -413,17 +416,8 @@ def while_loop(
       place of ``max_depth``.
     - ``max_steps``: static Python int ``>= 0``; the loop stops there even if ``cond_fun`` still
       holds.
-    - ``return_steps``: also return the number of steps taken (an int32 scalar).
     - ``with_index``: ``body_fun(i, carry)`` (``body_fun(i, carry, key)`` with ``key``), ``i``
       the step's index, as for :func:`repeat`; ``cond_fun`` still takes the carry alone.
-    - ``return_stats``: also return a dict of int32 scalars describing the forward loop that
-      ran: ``iterations`` and ``executed_sample_steps`` (the rows it ran the step on, summed
-      over its iterations). Unbatched, both are the steps taken. Under ``vmap`` the batch
-      runs one loop (continuous batching) and every sample receives that loop's figures;
-      ``executed_sample_steps / sum(steps)`` is then its overhead (``return_steps`` gives the
-      steps). Inside ``shard_map``, this device's loop; under plain ``jit`` with the batch
-      sharded over ``Explicit`` mesh axes, the longest device's iterations and the sum over
-      the devices.
     - ``priority``: ``priority(carry) -> number`` (an int or float scalar, for one sample), or
       ``None``. A scheduling hint that never changes results: under ``vmap``, continuous
       batching starts the samples in decreasing ``priority(init)`` (ties and ``None`` in batch
@@ -432,6 +426,23 @@ def while_loop(
       late long sample in otherwise idle slots. Only that scheduler reads it (``"auto"``
       under ``vmap`` with fewer slots than samples); every other loop has no queue to order.
       It receives no gradient, like ``cond_fun``.
+    - ``return_info``: also return a dict of int32 scalars about the loop that ran:
+
+      - ``"steps"``: the steps taken (each sample's own under ``vmap``);
+      - ``"iterations"`` and ``"executed_sample_steps"``: the forward loop's iterations and
+        the rows it ran the step on, summed over its iterations. Unbatched, both are the steps
+        taken. Under ``vmap`` the batch runs one loop (continuous batching) and every sample
+        receives that loop's figures; ``executed_sample_steps / sum(steps)`` is then its
+        overhead. Inside ``shard_map``, this device's loop; under plain ``jit`` with the batch
+        sharded over ``Explicit`` mesh axes, the longest device's iterations and the sum over
+        the devices. ``None`` where the masked loop ran (``strategy="masked"``, or a step that
+        uses the axis of an enclosing ``vmap``): it runs ``max_steps`` steps for every sample.
+
+    - ``return_steps``, ``return_stats``: deprecated (a ``DeprecationWarning``; they will be
+      removed in the next release), use ``return_info``. ``return_steps=True`` returns
+      ``(carry, steps)``, ``return_stats=True`` ``(carry, stats)`` (``stats`` the dict above
+      without ``"steps"``; a ``ValueError`` where the masked loop runs), both ``(carry, steps,
+      stats)``.
 
     **Transformations:** as :func:`repeat` for each strategy. Under ``vmap`` with a per-sample
     predicate, every sample stops at its own step; finished samples are masked.
@@ -442,13 +453,13 @@ def while_loop(
     ``2 * steps`` under ``vmap``; with ``checkpoints=K``, at most ``3 * steps``, and exactly
     ``2 * steps`` when ``steps <= K``.
 
-    **Returns:** the final carry; ``(carry, steps)`` with ``return_steps``, ``(carry, stats)``
-    with ``return_stats``, ``(carry, steps, stats)`` with both.
+    **Returns:** the final carry; ``(carry, info)`` with ``return_info``.
 
     **Raises:** as :func:`repeat`; ``TypeError`` when ``cond_fun`` is not callable or does not
     return a boolean scalar, or ``priority`` is neither None nor a callable returning a real
-    scalar; ``ValueError`` for ``return_stats`` with ``strategy="masked"``
-    (or a step that uses the axis of an enclosing ``vmap``, which runs the masked loop).
+    scalar; ``ValueError`` for ``return_info`` together with a deprecated ``return_steps`` or
+    ``return_stats``, and for ``return_stats`` with ``strategy="masked"`` (or a step that uses
+    the axis of an enclosing ``vmap``, which runs the masked loop).
     """
     _checks.callable_arg(cond_fun, "cond_fun")
     _checks.callable_arg(body_fun, "body_fun")
@@ -457,8 +468,8 @@ def while_loop(
     max_steps = _checks.static_nonneg_int(max_steps, "max_steps")
     checkpoints = _checks.checkpoints_arg(checkpoints)
     slots = _checks.slots_arg(slots)
-    return_steps = _checks.bool_arg(return_steps, "return_steps")
-    return_stats = _checks.bool_arg(return_stats, "return_stats")
+    return_info = _checks.bool_arg(return_info, "return_info")
+    return_steps, return_stats = _deprecated_returns(return_steps, return_stats, return_info)
     kind = _carry_kind(key is not None, "body_fun")
     kind, xs = _indexed(with_index, kind, None, max_steps)
     carry, _, steps, stats = _run(
@@ -466,10 +477,32 @@ def while_loop(
         length=max_steps, strategy=strategy, checkpoints=checkpoints, slots=slots,
         stats_for="return_stats" if return_stats else None, priority_fn=priority,
     )  # fmt: skip
+    if return_info:
+        work = {"iterations": None, "executed_sample_steps": None} if stats is None else (
+            _work_stats(stats))  # fmt: skip
+        return carry, {"steps": steps, **work}
     out = [carry] + ([steps] if return_steps else [])
     if return_stats:
         out.append(_work_stats(stats))
     return out[0] if len(out) == 1 else tuple(out)
+
+
+def _deprecated_returns(return_steps: Any, return_stats: Any, return_info: bool) -> tuple:
+    """``while_loop``'s deprecated ``return_steps`` and ``return_stats`` as two bools, with a
+    ``DeprecationWarning`` for each one given."""
+    given = {n: v for n, v in (("return_steps", return_steps), ("return_stats", return_stats))
+             if v is not None}  # fmt: skip
+    for name, value in given.items():
+        _checks.bool_arg(value, name)
+        instead = ('`info["steps"]`' if name == "return_steps" else
+                   '`info["iterations"]` and `info["executed_sample_steps"]`')  # fmt: skip
+        _checks.deprecated(
+            f"`{name}` is deprecated and will be removed in the next release: "
+            f"`carry, info = while_loop(..., return_info=True)` gives {instead}"
+        )
+        if return_info:
+            raise ValueError(f"`return_info` replaces `{name}`: give one of them, not both")
+    return bool(return_steps), bool(return_stats)
 
 
 def repeat_batched(

@@ -207,18 +207,17 @@ def budgets(m, per_bit):
 
 def adaptive_dyndepth(params, dilations, patience, max_steps, x, m, cap):
     """``dyndepth.while_loop`` under ``vmap``: ``(pred (B, L), steps (B,), executed)``,
-    ``executed`` the sample-iterations its loop ran (``return_stats``)."""
+    ``executed`` the sample-iterations its loop ran (``return_info``)."""
 
     def one(x, m, cap):
-        carry, steps, stats = dyndepth.while_loop(
+        carry, info = dyndepth.while_loop(
             stop_cond(patience),
             stop_body(params, dilations),
             stop_init(params, x, m, cap),
             max_steps=max_steps,
-            return_steps=True,
-            return_stats=True,
+            return_info=True,
         )
-        return carry[3], steps, stats["executed_sample_steps"]
+        return carry[3], info["steps"], info["executed_sample_steps"]
 
     pred, steps, executed = jax.vmap(one)(x, m, cap)
     return pred, steps, executed[0]  # (one loop for the batch: every sample has its figure)

@@ -344,18 +344,18 @@ def halting_fns(params, cfg, rule):
 
 def halting_dyndepth(params, cfg, rule, puzzles):
     """``dyndepth.while_loop`` under ``vmap``: ``(answers (N, 81), steps (N,), executed)``,
-    ``executed`` the sample-steps its loop ran (``return_stats``). Puzzles with more blanks
+    ``executed`` the sample-steps its loop ran (``return_info``). Puzzles with more blanks
     (fewer givens: usually the hardest, the longest to think) start first, so that the long
     ones do not form the loop's tail."""
     init, cond, body, answer = halting_fns(params, cfg, rule)
     slots = cfg.eval_slots or None
 
     def one(puz):
-        c, steps, stats = dyndepth.while_loop(
-            cond, body, init(puz), max_steps=cfg.max_steps, return_steps=True,
-            return_stats=True, slots=slots, priority=lambda c: jnp.sum(c[2] == 0),
+        c, info = dyndepth.while_loop(
+            cond, body, init(puz), max_steps=cfg.max_steps, return_info=True, slots=slots,
+            priority=lambda c: jnp.sum(c[2] == 0),
         )  # fmt: skip
-        return answer(c), steps, stats["executed_sample_steps"]
+        return answer(c), info["steps"], info["executed_sample_steps"]
 
     answers, steps, executed = jax.vmap(one)(puzzles)
     return answers, steps, executed[0]  # (one loop for the batch: every puzzle has its figure)

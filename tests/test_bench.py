@@ -24,12 +24,12 @@ def test_big_params_workload_quick_rows_agree():
     names = [r["contender"] for r in rows]
     assert names == [c.name for c in _bench.CONTENDERS]
     _check_rows(rows)
-    # the seed's method under vmap broadcasts W to the batch: the largest temp memory
-    seed = rows[0]["grad_temp_bytes"]
-    assert all(r["grad_temp_bytes"] < seed for r in rows[1:] if "grad_temp_bytes" in r)
-    # masked loops run every sample to the batch's deepest (the seed's: to max_depth)
+    # the scan + cond baseline under vmap broadcasts W to the batch: the largest temp memory
+    baseline = rows[0]["grad_temp_bytes"]
+    assert all(r["grad_temp_bytes"] < baseline for r in rows[1:] if "grad_temp_bytes" in r)
+    # masked loops run every sample to the batch's deepest (the baseline: to max_depth)
     by = {r["contender"]: r for r in rows}
-    assert by["seed scan+cond"]["executed"] == 8 * 12
+    assert by["scan+cond"]["executed"] == 8 * 12
     assert by["jax.checkpoint scan+cond"]["executed"] == 8 * 12
 
 
@@ -55,15 +55,15 @@ def test_long_tail_lists_checkpointed_rows():
 
 def test_max_temp_guard_skips_with_a_note():
     q = _bench.quick(_bench.WORKLOADS["core"])
-    seed, batched = _bench.CONTENDERS[0], _bench.CONTENDERS[-1]
+    baseline, batched = _bench.CONTENDERS[0], _bench.CONTENDERS[-1]
     rows = _bench.run_workload(
-        q, 1, contenders=[seed, batched], progress=lambda *a, **k: None, max_temp_bytes=1
+        q, 1, contenders=[baseline, batched], progress=lambda *a, **k: None, max_temp_bytes=1
     )
     r = rows[0]
     assert "grad_s" not in r and r["grad_note"].startswith("not run: XLA temp")
     assert r["grad_temp_bytes"] > 1  # the memory is still reported
     text = _bench.table(rows)
-    assert "| seed scan+cond |" in text and "not run: XLA temp" in text
+    assert "| scan+cond |" in text and "not run: XLA temp" in text
 
 
 def test_table_names_a_reference_other_than_the_first_row():
@@ -90,17 +90,17 @@ def _report():
 
     shared = [
         dict(contender=n, depth=d, fwd_s=d * 1e-4, grad_s=d * 3e-4, batch=8, dim=8, max_depth=12)
-        for n in ("seed scan+cond", "dyndepth auto")
+        for n in ("scan+cond", "dyndepth auto")
         for d in (3, 12)
     ]
     core = [
-        row("seed scan+cond", 0.4, 5e8),
+        row("scan+cond", 0.4, 5e8),
         dict(contender="lax.while_loop", fwd_s=0.001),  # forward only: not in the bars
         dict(contender="equinox checkpointed", missing="not installed"),
         row("dyndepth repeat_batched", 0.01, 6e6),
     ]
     big = [
-        dict(contender="seed scan+cond", grad_note="not run: ...", grad_temp_bytes=3e9),
+        dict(contender="scan+cond", grad_note="not run: ...", grad_temp_bytes=3e9),
         row("dyndepth repeat_batched", 0.05, 7e6),
         row("dyndepth repeat_batched checkpoints=16", 0.07, 2e6),
     ]

@@ -28,14 +28,14 @@ def test_bench_quick_runs_and_writes_json_and_plot(tmp_path, capsys):
     argv = ["bench", "core", "shared-depth", "--quick", "--repeats", "1"]
     assert _cli.main(argv + ["--json", str(out), "--plot", str(png)]) == 0
     text = capsys.readouterr().out
-    assert "| dyndepth auto |" in text and "| seed scan+cond |" in text
+    assert "| dyndepth auto |" in text and "| scan+cond |" in text
     assert f"plot: {png}" in text
     data = png.read_bytes()
     assert len(data) > 1000 and data.startswith(b"\x89PNG\r\n\x1a\n")
     report = json.loads(out.read_text())
     rows = report["workloads"]["core"]
     names = [r["contender"] for r in rows]
-    assert names[0] == "seed scan+cond" and "dyndepth auto" in names
+    assert names[0] == "scan+cond" and "dyndepth auto" in names
     for r in rows:
         if r.get("missing"):  # Equinox is an optional extra
             assert r["contender"].startswith("equinox"), r
@@ -59,9 +59,23 @@ def test_bench_rejects_unknown_workload(capsys):
     assert "unknown workload 'nope'" in capsys.readouterr().err
 
 
-def test_demo_seed_task_rejects_devices(capsys):
-    assert _cli.main(["demo", "--task", "seed", "--devices", "2"]) == 2
+def test_demo_dropout_residual_task_rejects_devices(capsys):
+    assert _cli.main(["demo", "--task", "dropout-residual", "--devices", "2"]) == 2
     assert "--devices 2 applies to the prefix-sums training only" in capsys.readouterr().err
+
+
+def test_renamed_task_and_workload_are_accepted_with_a_warning(capsys):
+    """``--task seed`` and the ``seed`` workload, the old names, still work for one release."""
+    assert _cli.main(["demo", "--task", "seed", "--devices", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == (
+        "dyndepth demo: warning: the --task 'seed' is deprecated and will be removed in the next "
+        "release; use 'dropout-residual'"
+    )
+    assert "--task dropout-residual runs on one device" in err[1]  # read as the new name
+    assert _cli.main(["bench", "seed", "nope"]) == 2  # the unknown name stops it before a run
+    err = capsys.readouterr().err
+    assert "warning: the workload 'seed' is deprecated" in err and "'nope'" in err
 
 
 def test_import_dyndepth_does_not_import_the_app():

@@ -368,7 +368,9 @@ COORDINATOR = ["--coordinator", "127.0.0.1:1234"]
         (["--num-processes", "0"], ["argument --num-processes:", ">= 1"]),
         (["--process-id", "-1"], ["argument --process-id:", ">= 0"]),
         (
-            ["--task", "seed"] + COORDINATOR + ["--num-processes", "2", "--process-id", "0"],
+            ["--task", "dropout-residual"]
+            + COORDINATOR
+            + ["--num-processes", "2", "--process-id", "0"],
             ["--coordinator applies to the prefix-sums training only"],
         ),
     ],
@@ -390,6 +392,7 @@ def test_process_flags_are_one_line_errors_naming_the_flag(tmp_path, capsys, arg
         (["--", "demo", "--process-id", "0"], ["--process-id is set by the launcher"]),
         (["--", "demo", "--coordinator=h:1"], ["--coordinator is set by the launcher"]),
         (["--", "demo", "--task", "seed"], ["--task seed runs on one device"]),
+        (["--", "demo", "--task=dropout-residual"], ["--task dropout-residual runs on one"]),
         (["--processes", "0", "--", "demo"], ["argument --processes:"]),
         (["--devices-per-process", "x", "--", "demo"], ["argument --devices-per-process:"]),
     ],

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def test_seed_example_prints_batch_shape(capsys):
-    ns = runpy.run_path(str(EXAMPLES / "seed.py"), run_name="not_main")
+def test_dropout_residual_example_prints_batch_shape(capsys):
+    ns = runpy.run_path(str(EXAMPLES / "dropout_residual.py"), run_name="not_main")
     out = ns["main"]()
     assert out.shape == (32, 64)
     assert "(32, 64)" in capsys.readouterr().out

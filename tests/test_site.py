@@ -117,8 +117,8 @@ def _target(site: Path, page: Path, url: str) -> tuple[Path, str] | None:
 
 def test_site_has_the_pages(site):
     names = {p.relative_to(site).as_posix() for p in _pages(site)}
-    for expected in ("index.html", "api/index.html", "nn/index.html",
-                     "getting-started/index.html", "examples/seed/index.html"):  # fmt: skip
+    for expected in ("index.html", "api/index.html", "nn/index.html", "getting-started/index.html",
+                     "examples/dropout_residual/index.html"):  # fmt: skip
         assert expected in names
 
 

@@ -12,7 +12,7 @@ sample-steps is the same model with ``fixed_rows = 0``.
 product, one per element of anything else), floored by the least a row costs on the backend
 (small steps are bound by memory and launches, not arithmetic). The constants below were fitted
 to measurements: the GPU's on one NVIDIA H200 (``repeat_batched`` forward, steps of width 256
-and 1024, ``shared/designs/gpu_time_model.md``: ``fixed_rows`` about 2,000-3,000), the CPU's on
+and 1024, the workloads of ``benchmarks/gpu.py``: ``fixed_rows`` about 2,000-3,000), the CPU's on
 the project's 2-core machine (width 64, ``benchmarks/slot_sweep.py``: about 20). The rate at
 which an iteration reads the shared operands: on the CPU fitted to a width-256 step's forward
 iteration, about 20 us whatever its rows for 256 KiB of weights (``measure_iteration_cost``

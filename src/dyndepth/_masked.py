@@ -1,4 +1,4 @@
-"""``strategy="masked"``: the seed's method, ``lax.scan`` over all ``max_steps`` with
+"""``strategy="masked"``: the scan + cond baseline, ``lax.scan`` over all ``max_steps`` with
 ``lax.cond``. Plain ``lax`` code: every transformation is JAX's own."""
 
 from __future__ import annotations

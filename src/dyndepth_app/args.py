@@ -28,6 +28,24 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+# `dyndepth demo --task` names renamed, still accepted for one release (old -> new).
+RENAMED_TASKS = {"seed": "dropout-residual"}
+
+
+def renamed(value, old_names, prog, what):
+    """``value``, or its new name if ``old_names`` (old -> new) renamed it; an old name is still
+    accepted for one release, with a warning on stderr naming the new one."""
+    if value not in old_names:
+        return value
+    new = old_names[value]
+    print(
+        f"{prog}: warning: the {what} {value!r} is deprecated and will be removed in the next "
+        f"release; use {new!r}",
+        file=sys.stderr,
+    )
+    return new
+
+
 def int_at_least(minimum):
     """An argparse ``type``: an integer ``>= minimum``."""
 

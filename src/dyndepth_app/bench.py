@@ -10,9 +10,9 @@ value_and_grad time (the best of ``--repeats`` calls blocking on the result, tak
 interleaved rounds after every function of the workload is compiled and warmed up), compile time
 apart, XLA temp memory of the compiled gradient, executed vs useful sample-steps, and the largest
 difference of outputs and gradients relative to the scan + cond baseline (which equals the
-plain-Python reference: tests check that). Ratios are against that baseline, the first row ("seed
-scan+cond": the ``lax.scan`` over ``max_depth`` steps with ``lax.cond(step < depth, layer,
-identity)`` of the original request). A compiled function whose XLA
+plain-Python reference: tests check that). Ratios are against that baseline, the first row
+("scan+cond": ``lax.scan`` over ``max_depth`` steps with ``lax.cond(step < depth, layer,
+identity)``, the usual way to write a traced depth in JAX). A compiled function whose XLA
 temp memory exceeds ``--max-temp-gib`` is not run; its row says so and still shows the memory.
 """
 
@@ -35,16 +35,16 @@ from jax import lax
 
 import dyndepth
 
-from .args import Parser, check_interrupt, int_at_least, positive_float
+from .args import Parser, check_interrupt, int_at_least, positive_float, renamed
 
-__all__ = ["WORKLOADS", "main", "plot", "run_workload", "seed_method"]
+__all__ = ["WORKLOADS", "main", "plot", "run_workload", "scan_cond_baseline"]
 
 
 # ----------------------------------------------------------------------------- contenders
 
 
-def seed_method(layer, x, depth, key, max_iters, *, remat=False):
-    """The seed's program: scan over max_iters with lax.cond(step < depth, layer, identity).
+def scan_cond_baseline(layer, x, depth, key, max_iters, *, remat=False):
+    """The scan + cond baseline: scan over max_iters with lax.cond(step < depth, layer, identity).
 
     Step ``i`` gets ``fold_in(key, i)``, dyndepth's schedule, so that results compare exactly.
     With ``remat`` each scan step runs under ``jax.checkpoint`` (stores only the carry).
@@ -74,9 +74,9 @@ def vmapped_while(layer, x, depth, key):
     return lax.while_loop(lambda s: s[0] < depth, body, (0, x))[1]
 
 
-def remat_seed_method(layer, x, depth, key, max_iters):
-    """The seed's method with each scan step under ``jax.checkpoint``."""
-    return seed_method(layer, x, depth, key, max_iters, remat=True)
+def remat_scan_cond_baseline(layer, x, depth, key, max_iters):
+    """The scan + cond baseline with each scan step under ``jax.checkpoint``."""
+    return scan_cond_baseline(layer, x, depth, key, max_iters, remat=True)
 
 
 def equinox_checkpointed(layer, x, depth, key, max_iters):
@@ -102,8 +102,9 @@ def equinox_available():
 
 
 def make_layer(W, kind):
-    """``x + tanh(x @ W)``; (``dropout``) the seed's ReLU residual with dropout 0.5 on the step
-    key; (``tanh-dropout``) ``x + dropout(tanh(x @ W))``, dropout 0.5 on the step key."""
+    """``x + tanh(x @ W)``; (``dropout``) the dropout residual example's ReLU residual with
+    dropout 0.5 on the step key; (``tanh-dropout``) ``x + dropout(tanh(x @ W))``, dropout 0.5 on
+    the step key."""
     if kind in ("dropout", "tanh-dropout"):
         act = jax.nn.relu if kind == "dropout" else jnp.tanh
 
@@ -155,8 +156,8 @@ def _wrap(method):
 
 
 CONTENDERS = [
-    Contender("seed scan+cond", _wrap(seed_method), True, full=True),
-    Contender("jax.checkpoint scan+cond", _wrap(remat_seed_method), True, full=True),
+    Contender("scan+cond", _wrap(scan_cond_baseline), True, full=True),
+    Contender("jax.checkpoint scan+cond", _wrap(remat_scan_cond_baseline), True, full=True),
     Contender("lax.while_loop", _wrap(lambda f, x, d, k, m: vmapped_while(f, x, d, k)), False),
     Contender("equinox checkpointed", _wrap(equinox_checkpointed), True),
     Contender("dyndepth while", _dd("while"), False),
@@ -218,8 +219,8 @@ def quick(w: Workload) -> Workload:
 
 
 WORKLOADS = {
-    "seed": Workload(
-        "seed",
+    "dropout-residual": Workload(
+        "dropout-residual",
         32,
         64,
         100,
@@ -372,7 +373,7 @@ def run_workload(w: Workload, repeats: int, contenders=None, progress=print, max
 
     Every function is compiled and warmed up first; then they are timed in interleaved rounds
     (:func:`time_in_rounds`). The correctness columns compare with the first contender that ran
-    (the seed's method unless ``max_temp_bytes`` kept it from running); each row names it in
+    (the scan + cond baseline unless ``max_temp_bytes`` kept it from running); each row names it in
     ``fwd_ref`` / ``grad_ref``."""
     k_w, k_x, k_d, k_k = jax.random.split(jax.random.PRNGKey(0), 4)
     W = jax.random.normal(k_w, (w.dim, w.dim)) / jnp.sqrt(w.dim)
@@ -695,10 +696,14 @@ def plot(report, path):
 # ----------------------------------------------------------------------------- command line
 
 
+# Old workload names, still accepted for one release.
+RENAMED_WORKLOADS = {"seed": "dropout-residual"}
+
+
 def main(argv=None):
     names = list(WORKLOADS) + ["shared-depth"]
-    listing = [f"  {n:<13} {w.about}" for n, w in WORKLOADS.items()]
-    listing.append(f"  {'shared-depth':<13} one depth for the whole batch, swept over 10..100")
+    listing = [f"  {n:<17} {w.about}" for n, w in WORKLOADS.items()]
+    listing.append(f"  {'shared-depth':<17} one depth for the whole batch, swept over 10..100")
     p = Parser(
         prog="dyndepth bench",
         description=__doc__.splitlines()[0],
@@ -729,6 +734,9 @@ def main(argv=None):
         "so and still shows the memory (default: %(default)s)",
     )
     a = p.parse_args(argv)
+    a.workloads = [
+        renamed(name, RENAMED_WORKLOADS, "dyndepth bench", "workload") for name in a.workloads
+    ]
     for name in a.workloads:
         if name not in names:
             p.error(f"unknown workload {name!r}; choose from {names}")

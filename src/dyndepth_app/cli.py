@@ -23,18 +23,18 @@ def _demo(args: argparse.Namespace) -> int:
         return 2
     if args.task == "sudoku":
         return sudoku.main(args)
-    if args.task == "seed":
+    if args.task == "dropout-residual":
         flags = processes.given(args)
         if args.devices not in (None, 1):
             flags.insert(0, f"--devices {args.devices}")
         if flags:
             print(
                 f"dyndepth demo: error: {flags[0]} applies to the prefix-sums training "
-                "only; --task seed runs on one device",
+                "only; --task dropout-residual runs on one device",
                 file=sys.stderr,
             )
             return 2
-        return _seed_demo(args)
+        return _dropout_residual_demo(args)
     error = processes.check_flags(args)
     if error:
         print(f"dyndepth demo: error: {error}", file=sys.stderr)
@@ -74,14 +74,14 @@ def _eval(args: argparse.Namespace) -> int:
     return demo.main_eval(args)
 
 
-def _seed_demo(args: argparse.Namespace) -> int:
+def _dropout_residual_demo(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
 
     import dyndepth
     from dyndepth_app import bench as _bench
 
-    print("== the seed's program with dyndepth.repeat (B=32, D=64, depths in [1, 100]) ==")
+    print("== a dropout residual layer with dyndepth.repeat (B=32, D=64, depths in [1, 100]) ==")
     max_iters, batch, dim = 100, 32, 64
     key = jax.random.PRNGKey(42)
     kx, kd, kb = jax.random.split(key, 3)
@@ -99,9 +99,10 @@ def _seed_demo(args: argparse.Namespace) -> int:
     )(xs, ds, ks)
     print(out.shape)
     print()
-    print("== side by side on the seed's workload: the seed's scan+cond vs dyndepth ==")
+    print("== side by side on this workload: the scan + cond baseline vs dyndepth ==")
     print(_bench.header())
-    rows = _bench.run_workload(_bench.WORKLOADS["seed"], args.repeats, progress=_bench._progress)
+    workload = _bench.WORKLOADS["dropout-residual"]
+    rows = _bench.run_workload(workload, args.repeats, progress=_bench._progress)
     print(_bench.table(rows))
     return 0
 
@@ -120,13 +121,17 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
-        help="train a recurrent-depth network on prefix sums (--task seed: the seed's program "
-        "and a side-by-side on its workload)",
+        help="train a recurrent-depth network on prefix sums (--task dropout-residual: the "
+        "README quickstart's program and a side-by-side on its workload; --task sudoku: "
+        "halting per puzzle)",
     )
     demo_mod.add_arguments(demo)
     sudoku_mod.add_arguments(demo)
     demo.add_argument(
-        "--repeats", type=int_at_least(1), default=5, help="(--task seed) timing repeats"
+        "--repeats",
+        type=int_at_least(1),
+        default=5,
+        help="(--task dropout-residual) timing repeats",
     )
     demo.set_defaults(run=_demo)
     ev = sub.add_parser("eval", help="evaluate a saved demo checkpoint")

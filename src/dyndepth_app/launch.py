@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from .args import Interrupted, int_at_least
+from .args import RENAMED_TASKS, Interrupted, int_at_least
 from .processes import FLAGS
 
 TAIL_LINES = 20
@@ -63,12 +63,23 @@ def check_command(command) -> str | None:
         return "no command: give it after --, e.g. dyndepth launch --processes 2 -- demo --quick"
     if command[0] != "demo":
         return f"it runs `dyndepth demo` only, got {' '.join(command)!r} after --"
-    if "seed" in command and command[command.index("seed") - 1] == "--task":
-        return "--task seed runs on one device; the launcher runs the prefix-sums training"
+    task = _task_of(command)
+    if task in ("dropout-residual", *RENAMED_TASKS):
+        return f"--task {task} runs on one device; the launcher runs the prefix-sums training"
     for arg in command:
         flag = arg.split("=", 1)[0]
         if flag in FLAGS:
             return f"{flag} is set by the launcher for each process; leave it out of the command"
+    return None
+
+
+def _task_of(command) -> str | None:
+    """The value of ``--task`` in ``command`` (``--task X`` or ``--task=X``), or None."""
+    for i, arg in enumerate(command):
+        if arg == "--task" and i + 1 < len(command):
+            return command[i + 1]
+        if arg.startswith("--task="):
+            return arg.split("=", 1)[1]
     return None
 
 

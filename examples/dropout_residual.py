@@ -1,13 +1,14 @@
-"""The README quickstart's program at the sizes of the original request, written with dyndepth.
+"""A dropout residual layer applied a random number of times per sample, with dyndepth.
 
-A residual layer with dropout is applied a random number of times per sample (depths uniform in
-[1, 100]), with a fresh key at every step, under jax.vmap and jax.jit. The usual workaround (the
-scan + cond baseline) scans over all 100 steps with lax.cond; dyndepth.repeat runs each sample's
-own depth and is reverse differentiable. The layer's weights are fixed and its ReLU output grows
-with depth, as in the original request: a program to time, not to train (the README's
-quickstart differentiates a bounded layer).
+The README quickstart's program at a batch of 32, width 64 and depths uniform in [1, 100]: a
+residual layer with dropout, a fresh key at every step, under jax.vmap and jax.jit. The usual
+workaround (the scan + cond baseline) scans over all 100 steps with lax.cond; dyndepth.repeat
+runs each sample's own depth and is reverse differentiable. The layer's weights are fixed and
+its ReLU output grows with depth: a program to time, not to train (the README's quickstart
+differentiates a bounded layer). `dyndepth demo --task dropout-residual` runs it and times it
+against the scan + cond baseline.
 
-    python examples/seed.py
+    python examples/dropout_residual.py
 """
 
 import jax

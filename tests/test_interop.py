@@ -426,3 +426,37 @@ def test_nnx_stacked_blocks_run_only_when_kept(nnx_example):
         return h
 
     assert counter.run(jax.jit(run_sr), params, h) == sum(keep_sr)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "masked", "while", "checkpointed"])
+def test_equinox_state_in_the_carry(strategy):
+    """An ``eqx.nn.State`` in the carry, updated by the step with ``state.set`` (which makes the
+    step's input state unusable): the loop runs, under vmap, and counts each sample's steps as a
+    Python loop does."""
+
+    class Counted(eqx.Module):
+        linear: eqx.nn.Linear
+        count: eqx.nn.StateIndex
+
+        def __init__(self, key):
+            self.linear = eqx.nn.Linear(3, 3, key=key)
+            self.count = eqx.nn.StateIndex(jnp.zeros((), jnp.int32))
+
+        def __call__(self, x, state):
+            return jnp.tanh(self.linear(x)), state.set(self.count, state.get(self.count) + 1)
+
+    module, state = eqx.nn.make_with_state(Counted)(jax.random.key(0))
+
+    def run(x, depth):
+        step = lambda carry: module(*carry)
+        return dyndepth.repeat(step, (x, state), depth, max_depth=4, strategy=strategy)
+
+    xs = jax.random.normal(jax.random.key(1), (3, 3))
+    depths = jnp.array([0, 2, 4])
+    out, states = jax.vmap(run)(xs, depths)
+    assert jax.vmap(lambda s: s.get(module.count))(states).tolist() == [0, 2, 4]
+    for x, d, o in zip(xs, depths.tolist(), out, strict=True):
+        expected = x
+        for _ in range(d):
+            expected = jnp.tanh(module.linear(expected))
+        tree_allclose(o, expected, rtol=1e-5, atol=1e-6)

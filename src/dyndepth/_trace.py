@@ -266,8 +266,11 @@ def _flat_step(kind: StepKind, fn: Callable, inputs: _Inputs) -> tuple[Callable,
         p = jax.tree_util.tree_unflatten(inputs.stacked_tree, list(p_l)) if S else None
         new_carry, y = _call_user(kind, fn, carry, x, key, p)
         if seen.get("strong"):
-            new_carry = _as_carry(carry, new_carry)
-            same_structure(carry, new_carry, kind.fname, "carry")
+            # Compared with a fresh copy of the input carry: the step may have consumed its own
+            # (an Equinox `eqx.nn.State` refuses to be flattened once a new one is made from it).
+            before = jax.tree_util.tree_unflatten(inputs.carry_tree, inputs.carry_codec.decode(c_l))
+            new_carry = _as_carry(before, new_carry)
+            same_structure(before, new_carry, kind.fname, "carry")
         y_leaves, y_tree = jax.tree_util.tree_flatten(y)
         seen.update(y_tree=y_tree, y_codec=Codec.of(y_leaves))
         new_leaves = jax.tree_util.tree_leaves(new_carry)

@@ -318,3 +318,42 @@ def test_ctrl_c_while_training_saves_the_steps_done(tmp_path):
     step = int(last.split("interrupted at step ")[1].split()[0])
     assert 3 <= step < steps // 10
     assert train.load_checkpoint(str(out / "alpha=1.ckpt.npz"))[2] == step
+
+
+@pytest.mark.parametrize(
+    "argv, module, entry",
+    [
+        (["demo"], "dyndepth_app.demo", "main_demo"),
+        (["demo", "--task", "sudoku"], "dyndepth_app.sudoku", "main"),
+        (["eval", "--checkpoint", "x.ckpt.npz"], "dyndepth_app.demo", "main_eval"),
+    ],
+)
+def test_demos_use_jax_persistent_compilation_cache_unless_told_not(
+    tmp_path, monkeypatch, argv, module, entry
+):
+    """On by default, in $XDG_CACHE_HOME/dyndepth/jax, set before the command compiles anything
+    (the command itself is replaced by a stub that reads the setting); off with
+    --no-compilation-cache; a cache folder the user gave JAX is kept."""
+    import importlib
+
+    import jax
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    seen = []
+    monkeypatch.setattr(
+        importlib.import_module(module),
+        entry,
+        lambda a: seen.append(jax.config.jax_compilation_cache_dir) or 0,
+    )
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        assert _cli.main(argv) == 0
+        jax.config.update("jax_compilation_cache_dir", None)
+        assert _cli.main([*argv, "--no-compilation-cache"]) == 0
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))
+        assert _cli.main(argv) == 0
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+    assert seen == [str(tmp_path / "dyndepth" / "jax"), None, str(tmp_path / "mine")]
+    assert not (tmp_path / "dyndepth").exists()  # nothing compiled, nothing written

@@ -15,13 +15,14 @@ from .args import Interrupted, Parser, SigintGuard, int_at_least
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from dyndepth_app import processes, sudoku
+    from dyndepth_app import compile_cache, processes, sudoku
 
     error = sudoku.wrong_task_flag(args)
     if error:
         print(f"dyndepth demo: error: {error}", file=sys.stderr)
         return 2
     if args.task == "sudoku":
+        compile_cache.enable(args)
         return sudoku.main(args)
     if args.task == "dropout-residual":
         flags = processes.given(args)
@@ -59,6 +60,7 @@ def _demo(args: argparse.Namespace) -> int:
             return 1
     from dyndepth_app import demo
 
+    compile_cache.enable(args)
     return demo.main_demo(args)
 
 
@@ -69,8 +71,9 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from dyndepth_app import demo
+    from dyndepth_app import compile_cache, demo
 
+    compile_cache.enable(args)
     return demo.main_eval(args)
 
 
@@ -108,6 +111,7 @@ def _dropout_residual_demo(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from dyndepth_app import compile_cache
     from dyndepth_app import demo as demo_mod
     from dyndepth_app import launch as launch_mod
     from dyndepth_app import sudoku as sudoku_mod
@@ -127,6 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo_mod.add_arguments(demo)
     sudoku_mod.add_arguments(demo)
+    compile_cache.add_arguments(demo)
     demo.add_argument(
         "--repeats",
         type=int_at_least(1),
@@ -136,6 +141,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_demo)
     ev = sub.add_parser("eval", help="evaluate a saved demo checkpoint")
     demo_mod.add_eval_arguments(ev)
+    compile_cache.add_arguments(ev)
     ev.set_defaults(run=_eval)
     sub.add_parser("bench", help="side-by-side benchmarks (dyndepth bench --help)", add_help=False)
     la = sub.add_parser(

@@ -11,7 +11,7 @@ from dyndepth_app import cli as _cli
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = sorted(
-    [ROOT / "README.md", ROOT / "benchmarks" / "README.md"]
+    [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "benchmarks" / "README.md"]
     + list((ROOT / "docs").glob("*.md"))
     + list((ROOT / "examples").glob("*.py"))
 )

@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 _COPIED = {
     "README.md": "index.md",
     "CHANGELOG.md": "changelog.md",
+    "CONTRIBUTING.md": "contributing.md",
     "benchmarks/README.md": "benchmarks.md",
     "benchmarks/bench.png": "bench.png",
 }

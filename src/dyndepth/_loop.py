@@ -146,8 +146,10 @@ def repeat(
     - ``depth``: a Python int or an integer scalar array. It may be traced under ``jit`` and
       batched under ``vmap`` (one depth per sample). A concrete value outside
       ``[0, max_depth]`` raises; a traced one is clamped into that range.
-    - ``max_depth``: static Python int ``>= 0``, the largest depth the loop can run; it sizes
-      the buffers, it does not set the cost.
+    - ``max_depth``: static Python int ``>= 0``, the largest depth the loop can run. It sizes
+      the buffers, and with ``checkpoints=None`` under ``vmap`` part of the cost: the backward
+      pass's stored carries follow ``max_depth``, not the depths, up to the memory budget
+      below (``benchmarks/max_depth.py``); keep it near the largest depth you need.
     - ``key``: optional PRNG key (``jax.random.key`` or ``jax.random.PRNGKey``). Step ``i``
       receives ``dyndepth.step_key(key, i) == jax.random.fold_in(key, i)``.
     - ``strategy``: ``"auto"`` (default), ``"masked"``, ``"while"`` or ``"checkpointed"``:
@@ -206,9 +208,12 @@ def repeat(
       ``K`` by itself, the ``K = ceil(max_depth / S)`` that holds the fewest carries, a
       segment of 64 or more steps being recomputed in two levels (sub-checkpoints every
       ``sqrt(S)`` steps, one more forward pass over it): about ``3 * max_depth ** (1/3)``
-      carries per sample, so that a generous ``max_depth`` with small depths neither
-      allocates gigabytes nor spends time filling them. ``checkpoints=max_depth`` stores
-      every carry whatever the size.
+      carries per sample, so that a generous ``max_depth`` with small depths does not
+      allocate gigabytes. Below the budget the buffer of ``max_depth`` carries is filled
+      whatever the depths, which costs time (about 20x the value_and_grad time of
+      ``max_depth`` 100 at ``max_depth`` 10,000 for depths below 20 in
+      ``benchmarks/max_depth.py``). ``checkpoints=max_depth`` stores every carry whatever the
+      size.
 
     - ``slots``: under ``vmap`` with per-sample depths, ``"auto"`` runs the batch through the
       per-sample scheduler (see :func:`repeat_batched`). ``None`` chooses at run time, by a
@@ -260,6 +265,8 @@ def repeat(
     mixes the samples' draws), and with ``"masked"`` a batched such key raises a
     ``ValueError`` at trace time.
     """
+    # max_depth-cost: the docstring's `max_depth` and `checkpoints` entries say what an unused
+    # max_depth costs today (benchmarks/max_depth.py).
     _checks.callable_arg(f, "f")
     max_depth = _checks.static_nonneg_int(max_depth, "max_depth")
     checkpoints = _checks.checkpoints_arg(checkpoints)

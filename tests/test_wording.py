@@ -19,7 +19,7 @@ FILES = sorted(
 # Each a phrase that only the project's history explains; a name it once gave (`seed`: the
 # program of the first request) has a descriptive name now (`dropout-residual`, `scan+cond`).
 FORBIDDEN = {
-    "the original request": r"\boriginal (request|question)",
+    "the original request": r"\boriginal (request|question|sizes)",
     "a session of work": r"\bsessions?\b",
     "an issue's number": r"\bissue\s*#?\d+",
     "an issue as the reader's context": r"\bthe (GPU |TPU )?issue('s|s)?\b",

@@ -80,11 +80,12 @@ def temp_mib(compiled) -> float:
     return compiled.memory_analysis().temp_size_in_bytes / 2**20
 
 
-def best_seconds(calls: dict, rounds: int) -> dict:
+def best_seconds(calls: dict, rounds: int, warm_up: bool = True) -> dict:
     """Best seconds of each ``label: (compiled, args)`` over ``rounds`` rounds in which the calls
     take turns (``dyndepth bench``'s ``time_in_rounds``: load on a shared machine then falls on
-    all of them alike), after one warm-up call each."""
-    for fn, args in calls.values():
+    all of them alike), after one warm-up call each (unless ``warm_up`` is False: a quick run of
+    calls that take seconds each)."""
+    for fn, args in calls.values() if warm_up else ():
         jax.block_until_ready(fn(*args))
     seconds = time_in_rounds([(fn, args, rounds) for fn, args in calls.values()])
     return dict(zip(calls, seconds, strict=True))

@@ -14,6 +14,7 @@ import datetime
 import os
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 
@@ -25,13 +26,26 @@ import dyndepth
 from dyndepth_app.bench import time_in_rounds
 
 
+def source_revision() -> str:
+    """The git commit of the source tree the meters run (``+changes`` when ``src`` differs from
+    it), so that a table says which kernels it measured; ``unknown`` outside a git checkout."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    git = lambda *a: subprocess.run(["git", "-C", here, *a], capture_output=True, text=True)  # noqa: E731
+    head = git("rev-parse", "--short", "HEAD")
+    if head.returncode != 0:
+        return "unknown"
+    dirty = git("status", "--porcelain", "--", os.path.join(here, "..", "src")).stdout.strip()
+    return head.stdout.strip() + ("+changes" if dirty else "")
+
+
 def machine_line() -> str:
     """JAX, device, date and the load average: a meter's table is read against them (the
     development machine is shared, so the load says how much to trust a time)."""
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     dev = jax.devices()[0]
     return (
-        f"jax {jax.__version__}, dyndepth {dyndepth.__version__}, {dev.platform} "
+        f"jax {jax.__version__}, dyndepth {dyndepth.__version__} at {source_revision()}, "
+        f"{dev.platform} "
         f"({dev.device_kind}, {jax.device_count()} device(s)), "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
         f"{datetime.datetime.now():%Y-%m-%d %H:%M}; load average {load}"

@@ -58,7 +58,16 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
-from measure import SEQ, block, block_shapes, compile_times, masked_scan, table, temp_mib
+from measure import (
+    SEQ,
+    block,
+    block_shapes,
+    compile_times,
+    masked_scan,
+    source_revision,
+    table,
+    temp_mib,
+)
 
 import dyndepth as dd
 
@@ -421,7 +430,7 @@ def main() -> None:
         where = f"TPU {a.topology}, one device, deviceless (libtpu)"
     else:
         sharding, where = None, f"this machine's CPU ({jax.devices()[0].device_kind})"
-    print(f"jax {jax.__version__}, dyndepth {dd.__version__}; compiled for {where}; "
+    print(f"jax {jax.__version__}, dyndepth at {source_revision()}; compiled for {where}; "
           f"{time.strftime('%Y-%m-%d %H:%M')}; lower / compile: median of {repeats} distinct "
           f"programs{' after a discarded one' if repeats > 1 else ''}\n")  # fmt: skip
     summary, detail, listing = [], [], []

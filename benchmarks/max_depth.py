@@ -3,18 +3,22 @@
 ``jax.value_and_grad`` of ``jax.vmap(dyndepth.repeat)`` (step ``x -> x + tanh(x @ W)``, a carry
 of 16 floats) with the same small depths at ``max_depth`` 100, 1,000, 10,000 and 100,000: the
 compiled program's temporary memory (XLA's memory analysis), its compile time and its run time
-(best of ``--repeats``), and each run time over the one at ``max_depth`` 100. Two batches: B=4096
-with depth 3 for every sample, and B=64 with depths uniform in [0, 20).
+(best of ``--repeats``), and each run time over the one at ``max_depth`` 100 (#38's target: every
+row within 1.3x, temp memory within the 512 MiB stored-carry budget). Two batches: B=4096 with
+depth 3 for every sample, and B=64 with depths uniform in [0, 20). ``--json PATH`` also writes
+the rows as JSON (to compare a run before a change with one after).
 
 How to run (from the repository root)::
 
     .venv/bin/python benchmarks/max_depth.py             # the table in benchmarks/README.md
     .venv/bin/python benchmarks/max_depth.py --quick     # max_depth 100 and 10,000 only
+    .venv/bin/python benchmarks/max_depth.py --json /tmp/max_depth.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import jax
@@ -48,6 +52,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     a = p.parse_args()
     max_depths = (100, 10_000) if a.quick else (100, 1_000, 10_000, 100_000)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, best of {a.repeats} runs\n")
@@ -57,13 +62,18 @@ def main() -> None:
         "B=4096, depth 3": (4096, jnp.full((4096,), 3, jnp.int32)),
         "B=64, depths in [0, 20)": (64, jax.random.randint(jax.random.PRNGKey(2), (64,), 0, 20)),
     }
+    rows = []
     for name, (batch, depths) in batches.items():
         base = None
         for md in max_depths:
             r = measure(batch, depths, md, a.repeats)
             base = base or r["run_ms"]
+            rows.append(dict(batch=name, max_depth=md, **r, relative=r["run_ms"] / base))
             print(f"| {name} | {md:,} | {r['temp_mib']:.0f} | {r['compile_s']:.1f} | "
                   f"{r['run_ms']:.1f} | {r['run_ms'] / base:.2f} |", flush=True)  # fmt: skip
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(jax=jax.__version__, repeats=a.repeats, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

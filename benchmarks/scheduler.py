@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from measure import SEQ, block, block_shapes
 
 import dyndepth as dd
 from dyndepth import _cost as dd_cost
@@ -228,31 +229,12 @@ def distribution_table(batch, width, hi, repeats):
         print(f"| {name} | " + " | ".join(f"{ms[name, k]:.1f}" for k in kinds) + " |")
 
 
-SEQ, HEADS = 16, 4  # the transformer block's sequence length and heads
-
-
-def block(p, x):
-    """A pre-norm transformer block on one sample's ``(SEQ, D)`` activations: a heavier step,
-    whose compiled copies, not the loop around them, dominate compile time."""
-
-    def norm(v):
-        return (v - v.mean(-1, keepdims=True)) / jnp.sqrt(v.var(-1, keepdims=True) + 1e-5)
-
-    h = norm(x)
-    q, k, v = ((h @ p[w]).reshape(SEQ, HEADS, -1) for w in ("q", "k", "v"))
-    att = jax.nn.softmax(jnp.einsum("qhd,khd->hqk", q, k) / np.sqrt(q.shape[-1]), axis=-1)
-    x = x + jnp.einsum("hqk,khd->qhd", att, v).reshape(x.shape) @ p["o"]
-    return x + jax.nn.gelu(norm(x) @ p["up"]) @ p["down"]
-
-
 def compile_seconds(strategy, batch, width, hi, slots=None, step="tanh"):
     if step == "tanh":
         params, xs = jnp.zeros((width, width)), jnp.zeros((batch, width))
         layer_of = layer
     else:
-        shapes = dict(q=(width, width), k=(width, width), v=(width, width), o=(width, width),
-                      up=(width, 4 * width), down=(4 * width, width))  # fmt: skip
-        params = {name: jnp.zeros(shape) for name, shape in shapes.items()}
+        params = {name: jnp.zeros(shape) for name, shape in block_shapes(width).items()}
         xs = jnp.zeros((batch, SEQ, width))
         layer_of = lambda p: lambda x: block(p, x)  # noqa: E731
     ds = jnp.ones((batch,), jnp.int32)

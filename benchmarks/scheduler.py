@@ -46,7 +46,7 @@ from measure import SEQ, block, block_shapes
 
 import dyndepth as dd
 from dyndepth import _cost as dd_cost
-from dyndepth._schedule import SlotRule
+from dyndepth._slots import SlotRule
 from dyndepth_app.bench import time_in_rounds
 
 

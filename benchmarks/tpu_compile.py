@@ -1,7 +1,7 @@
 """Kernels per loop iteration, compile time and temp memory on the TPU compiler, without a TPU.
 
-libtpu compiles for a named TPU topology on a machine that has none (the recipe:
-``../shared/designs/tpu_deviceless.md``; the set-up: ``benchmarks/README.md``). For each program
+libtpu compiles for a named TPU topology on a machine that has none (the set-up:
+``benchmarks/README.md``). For each program
 below this script lowers and compiles ``jax.jit`` of it for one device of ``--topology``
 (default ``v5e:2x2``) and reads the optimized HLO: every ``while`` loop, forward or backward,
 and the kernels its body runs per iteration. It prints, per program, lower and compile time
@@ -9,7 +9,7 @@ and the kernels its body runs per iteration. It prints, per program, lower and c
 cache answers; one discarded first) and XLA's temp memory; per loop, the kernels and what they
 are. It does not run anything: no run time.
 
-**Counting rule** (the design note's): a loop body's kernels are its fusions and unfused ops,
+**Counting rule**: a loop body's kernels are its fusions and unfused ops,
 leaving out parameters, tuples, get-tuple-element, constants, bitcasts, ``opt-barrier`` and
 buffer allocations (``custom-call`` to ``AllocateBuffer``): they emit no code. Copies
 (``copy``, ``copy-start``) are counted apart, in their own column: they are real moves of data

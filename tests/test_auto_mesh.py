@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from helpers import run_on_eight_devices
 from test_shard import LOOP_HLO
 
-from dyndepth import _schedule
+from dyndepth import _slots
 
 SCRIPT = textwrap.dedent(
     """
@@ -321,7 +321,7 @@ def _check_work_per_device(work):
 
 def _schedule_of(depths):
     """(executed sample-steps, iterations) of the scheduler's rule on ``depths`` alone."""
-    candidates = _schedule.work_candidates(depths.shape[0])
-    slots = candidates[int(_schedule.choose_by_work(depths, candidates))]
-    executed = int(_schedule.executed_steps(depths, slots))
+    candidates = _slots.work_candidates(depths.shape[0])
+    slots = candidates[int(_slots.choose_by_work(depths, candidates))]
+    executed = int(_slots.executed_steps(depths, slots))
     return executed, executed // slots

@@ -11,7 +11,7 @@ import pytest
 from helpers import applicable, tree_allclose
 
 import dyndepth
-from dyndepth import _budget, _checks, _schedule
+from dyndepth import _budget, _checks, _slots
 from dyndepth import _cost as dd_cost
 
 D = 3
@@ -356,7 +356,7 @@ def test_each_slot_count_is_one_compiled_branch(slots, want):
     """The compiled value_and_grad has one conditional over the slot counts forward and one
     backward, with a branch per count (counts of B or more are one: the lockstep batch), and
     none with a single count. (None: the time rule's ladder where an iteration costs one row.)"""
-    assert _schedule.SlotRule.of(_checks.slots_arg(slots), 256, 1.0).candidates == want
+    assert _slots.SlotRule.of(_checks.slots_arg(slots), 256, 1.0).candidates == want
 
     def loss(W, xs, ds):
         f = lambda x: jnp.tanh(x @ W)  # noqa: E731
@@ -387,19 +387,19 @@ def _iterations(lengths, c):
 def test_choose_by_work_takes_the_most_slots_within_the_work_slack():
     """Checked against a brute-force reading of the rule on random lengths."""
     rng = np.random.default_rng(0)
-    choose = jax.jit(_schedule.choose_by_work, static_argnums=1)
+    choose = jax.jit(_slots.choose_by_work, static_argnums=1)
     for trial in range(200):
         B = int(rng.choice([3, 5, 64, 100, 256]))
-        cands = _schedule.work_candidates(B)
+        cands = _slots.work_candidates(B)
         assert cands[0] == B and cands[-1] == 1 and list(cands) == sorted(cands, reverse=True)
         lengths = _random_lengths(rng, trial, B)
         work = [c * _iterations(lengths, c) for c in cands]
-        ok = [w <= (1 + _schedule.WORK_SLACK) * lengths.sum() for w in work]
+        ok = [w <= (1 + _slots.WORK_SLACK) * lengths.sum() for w in work]
         want = ok.index(True) if any(ok) else int(np.argmin(work))
         got = int(choose(jnp.asarray(lengths), cands))
         assert got == want, (lengths, cands, work)
-        assert work[got] <= (1 + _schedule.WORK_SLACK) * lengths.sum()
-    assert _schedule.work_candidates(2) == (2,)
+        assert work[got] <= (1 + _slots.WORK_SLACK) * lengths.sum()
+    assert _slots.work_candidates(2) == (2,)
 
 
 def test_choose_by_time_is_the_argmin_of_modeled_time():
@@ -407,11 +407,11 @@ def test_choose_by_time_is_the_argmin_of_modeled_time():
     argmin over its candidates of ``C(S) x (fixed_rows + S)`` (the most slots among equals),
     checked in NumPy on random distributions; the ladder stops at ``fixed_rows / 8``."""
     rng = np.random.default_rng(1)
-    choose = jax.jit(_schedule.choose_by_time, static_argnums=(1, 2))
+    choose = jax.jit(_slots.choose_by_time, static_argnums=(1, 2))
     for trial in range(160):
         B = int(rng.choice([3, 64, 512, 4096]))
         fixed = float(rng.choice([0.0, 1.0, 18.0, 300.0, 2500.0]))
-        cands = _schedule.slot_candidates(B, fixed)
+        cands = _slots.slot_candidates(B, fixed)
         assert cands[0] == B and list(cands) == sorted(set(cands), reverse=True)
         assert all(c >= fixed // 8 for c in cands[1:])
         lengths = _random_lengths(rng, trial, B)
@@ -437,17 +437,17 @@ def test_measured_costs_choose_for_their_backend():
 
     assert flops(64) >= 2 * 2 * 64 * 64  # two matrix products of 2 x 64 x 64
     long_tail = np.array([165] + [33] * 4060 + [(134_800 - 165 - 33 * 4060) // 35] * 35)
-    rule = _schedule.SlotRule.of(None, 4096, gpu.fixed_rows(flops(1024)))
+    rule = _slots.SlotRule.of(None, 4096, gpu.fixed_rows(flops(1024)))
     assert rule.candidates[int(rule.choose(jnp.asarray(long_tail)))] == 1024
-    assert _schedule.SlotRule.of(None, 256, gpu.fixed_rows(flops(256))).candidates == (256,)
+    assert _slots.SlotRule.of(None, 256, gpu.fixed_rows(flops(256))).candidates == (256,)
     uniform = np.arange(512) % 128 + 1
-    rule = _schedule.SlotRule.of(None, 512, cpu.fixed_rows(flops(64), 64 * 64 * 4))
+    rule = _slots.SlotRule.of(None, 512, cpu.fixed_rows(flops(64), 64 * 64 * 4))
     assert rule.candidates[int(rule.choose(jnp.asarray(uniform)))] == 256
     # benchmarks/scheduler.py's uniform batch (B=256, sum 12,654, max 100) of x + tanh(x W)
     uniform = np.array([100] + [50] * 250 + [(12_654 - 100 - 50 * 250) // 5] * 5)
     row_flops = dd_cost.jaxpr_flops(jax.make_jaxpr(lambda x: x + jnp.tanh(x @ W256))(X256).jaxpr)
     for weights, want in ((256 * 256 * 4, 128), (0, 64)):
-        rule = _schedule.SlotRule.of(None, 256, cpu.fixed_rows(row_flops, weights))
+        rule = _slots.SlotRule.of(None, 256, cpu.fixed_rows(row_flops, weights))
         assert rule.candidates[int(rule.choose(jnp.asarray(uniform)))] == want, weights
 
 

@@ -21,10 +21,8 @@ from . import _sharding, _vma
 from ._budget import recompute_slots
 from ._derivative import Perturbed
 from ._leaves import (
-    column,
     gather_rows,
     merge,
-    put_column,
     rows_mask,
     scatter_rows,
     take,
@@ -44,95 +42,6 @@ def merge_stats(stats, across):
     stats = stats.reshape(-1, 2)
     iterations = across.max(jnp.max(stats[:, 0]))
     return jnp.stack([iterations, across.sum(jnp.sum(stats[:, 1]))])
-
-
-def active(loop: Loop, cconsts, cc_axes, i, n, carry):
-    """Rows that take step ``i``: ``i < n`` and the predicate holds."""
-    act = i < n
-    if loop.cond_jaxpr is not None:
-        act = act & loop.vcond(cc_axes, i.shape[0])(cconsts, carry)
-    return act
-
-
-# ----------------------------------------------------------------------------- forward
-
-
-def forward(loop: Loop, consts, c_axes, cconsts, cc_axes, init, xs, n, kd, *, store):
-    """The lockstep loop over ``B`` rows. Returns ``(carry, ys, steps, res, stats)``; ``res`` is
-    ``(buf, stride)`` with ``store`` (``buf[b, j]``: the carry of row ``b`` before step
-    ``j * stride[b]``), else None."""
-    B = n.shape[0]
-    T = loop.max_steps
-    vstep = loop.vstep(c_axes, B)
-    i0 = jnp.zeros((B,), jnp.int32)
-    state = dict(
-        i=i0,
-        act=active(loop, cconsts, cc_axes, i0, n, init),
-        carry=list(init),
-        ys=[_sharding.zeros((B, T), a) for a in loop.y_avals],
-        iters=jnp.zeros((), jnp.int32),
-    )
-    if store:
-        state.update(store_state(loop, init, B))
-
-    # Rows stop for good, so every active row is at step ``iters``: one shared index reads xs
-    # and writes ys and the stored carries (a slice, not a gather or scatter per row).
-    def body(s):
-        i, act, carry, it = s["i"], s["act"], s["carry"], s["iters"]
-        s = dict(s)
-        if store:
-            s.update(_store(loop, s, i, act, carry))
-        new_carry, y = vstep(consts, carry, column(xs, it), loop.key_at(kd, i))
-        s["carry"] = where_rows(act, new_carry, carry)
-        s["ys"] = put_column(s["ys"], it, y, act)
-        s["i"] = i + act.astype(jnp.int32)
-        s["act"] = act & active(loop, cconsts, cc_axes, s["i"], n, s["carry"])
-        s["iters"] = s["iters"] + 1
-        return s
-
-    out = _vma.while_loop(lambda s: jnp.any(s["act"]), body, state)
-    res = (out["buf"], out["stride"]) if store else None
-    return out["carry"], out["ys"], out["i"], res, stats_of(out["iters"], B)
-
-
-def store_state(loop: Loop, init, B: int) -> dict:
-    """The forward pass's stored carries (``buf``, a row's ``count`` and checkpoint ``stride``)
-    before the first step."""
-    # Slot 0 always holds init, so that the backward pass never evaluates the step at an
-    # uninitialised state, even for rows that take no step.
-    buf = [_sharding.zeros((B, loop.slots_stored), a).at[:, 0].set(c)
-           for a, c in zip(loop.carry_avals, init, strict=True)]  # fmt: skip
-    return dict(buf=buf, count=jnp.zeros((B,), jnp.int32), stride=jnp.ones((B,), jnp.int32))
-
-
-def _store(loop: Loop, s, i, act, carry):
-    buf, count, stride = s["buf"], s["count"], s["stride"]
-    if loop.thinning:
-        K = loop.slots_stored
-        full = act & (i % stride == 0) & (count == K)
-
-        def compact(args):
-            buf, count, stride = args
-            kept = (K + 1) // 2
-
-            def thin(b):
-                half = b[:, 0::2]
-                pad = jnp.zeros((b.shape[0], K - kept) + b.shape[2:], b.dtype)
-                return jnp.concatenate([half, pad], axis=1)
-
-            buf = where_rows(full, [thin(b) for b in buf], buf)
-            count = jnp.where(full, kept, count)
-            stride = jnp.where(full, stride * 2, stride)
-            return buf, count, stride
-
-        buf, count, stride = _vma.cond(jnp.any(full), compact, lambda a: a, (buf, count, stride))
-    want = act & (i % stride == 0)
-    if loop.thinning:
-        buf = scatter_rows(buf, count, carry, want)
-    else:  # count == i == iters on active rows
-        buf = put_column(buf, s["iters"], carry, want)
-    count = count + want.astype(jnp.int32)
-    return dict(buf=buf, count=count, stride=stride)
 
 
 # ----------------------------------------------------------------------------- backward

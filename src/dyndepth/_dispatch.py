@@ -23,11 +23,20 @@ from functools import partial
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from . import _batched, _budget, _schedule, _sharding, _single
+from . import _batched, _budget, _kernels, _schedule, _sharding, _single, _slots, _store, _vma
 from ._derivative import Perturbed
 from ._leaves import broadcast_rows, merge, take
-from ._operands import BwdOperands, Cotangents, LoopOperands, LoopOutputs, Stored, n_stored
+from ._operands import (
+    BwdOperands,
+    Cotangents,
+    LoopOperands,
+    LoopOutputs,
+    Residuals,
+    Stored,
+    n_stored,
+)
 from ._per_device import Across, partitioning, per_device
 from ._residuals import ResidualPlan
 from ._step import Loop
@@ -156,38 +165,24 @@ def _forward_rows(loop, level, store, plan, ops: LoopOperands) -> list:
     flags = LoopOperands.split(level.batched, loop)
     R = level.size
     init = broadcast_rows(ops.init, flags.init, R)
-    xs = broadcast_rows(ops.xs, flags.xs, R)
     n = broadcast_rows([ops.n], [flags.n], R)[0]
     kd = None if ops.kd is None else broadcast_rows([ops.kd], [flags.kd], R)[0]
     per_sample = _per_sample_steps(loop, flags.n)
-    c_axes, cc_axes = _axes(flags.consts), _axes(flags.cconsts)
+    # (xs shared by the rows, such as with_index's step index, stay shared: never broadcast)
+    axes = LoopOperands(_axes(flags.consts), _axes(flags.cconsts), [0] * len(init),
+                        _axes(flags.xs), 0, 0)  # fmt: skip
 
     def run(consts, cconsts, init, xs, n, kd):
-        args = (loop, consts, c_axes, cconsts, cc_axes, init, xs, n, kd)
-        rows = n.shape[0]
-        if not (per_sample and _schedulable(loop, rows)):
-            return _batched.forward(*args, store=store)
-        if loop.cond_jaxpr is None:
-            return _schedule.run_with_slots(
-                n, _schedule.SlotRule.for_loop(loop, rows, consts, c_axes),
-                lambda: _batched.forward(*args, store=store),
-                lambda queue, S: _schedule.forward_wrapped(
-                    *args, store=store, slots=S, queue=queue
-                ),
-            )  # fmt: skip
-        # Stopping steps are unknown before the loop runs: continuous batching in a quarter of
-        # the rows, all of them where iterations cost more than rows (or the given slots).
-        slots = _schedule.refill_slots(loop.slots, rows, _schedule.fixed_rows(loop, consts, c_axes))
-        if slots >= rows:
-            return _batched.forward(*args, store=store)
-        return _schedule.forward_refill(*args, store=store, slots=slots)
+        rows = LoopOperands(consts, cconsts, init, xs, n, kd)
+        carry, ys, steps, res, (iters, S) = _forward_kernel(loop, rows, axes, per_sample, store)
+        return carry, ys, steps, res, _batched.stats_of(iters, S)
 
     # Under plain jit with the rows sharded over Explicit mesh axes: one loop per device.
-    nc, nx = len(init), len(xs)
-    in_b = (list(flags.consts), list(flags.cconsts), [True] * nc, [True] * nx, True,
+    nc = len(init)
+    in_b = (list(flags.consts), list(flags.cconsts), [True] * nc, list(flags.xs), True,
             _leaf_or_none(kd))  # fmt: skip
     carry, ys, steps, res, stats = per_device(
-        run, (ops.consts, ops.cconsts, init, xs, n, kd), in_b, (n, init, xs),
+        run, (ops.consts, ops.cconsts, init, ops.xs, n, kd), in_b, (n, init),
         (_batched.merge_stats,),
     )  # fmt: skip
     # A shared depth (and no predicate) leaves the steps unbatched: the backward pass then
@@ -200,6 +195,69 @@ def _forward_rows(loop, level, store, plan, ops: LoopOperands) -> list:
         ext = [] if plan is None else [_sharding.zeros((loop.max_steps,), a) for a in plan.stored]
         res = (buf, stride, ext)
     return _flat_forward(carry, ys, steps, stats, res)
+
+
+def _forward_kernel(loop: Loop, ops: LoopOperands, axes: LoopOperands, per_sample: bool,
+                    store: bool) -> tuple:  # fmt: skip
+    """How a batch of rows runs forward: in lockstep, or, under ``"auto"`` with per-sample
+    steps, on the wrap-around schedule in a slot count chosen at run time (known depths) or by
+    continuous batching (a stop predicate). Returns the kernel's outputs, the iterations last
+    paired with the slot count."""
+    rows = ops.n.shape[0]
+    if not (per_sample and _schedulable(loop, rows)):
+        return _paired(_kernels.lockstep(loop, ops, axes, store=store), rows)
+    if loop.cond_jaxpr is not None:
+        # Stopping steps are unknown before the loop runs: continuous batching in a quarter of
+        # the rows, all of them where iterations cost more than rows (or the given slots).
+        slots = _slots.refill_slots(loop.slots, rows,
+                                    _slots.fixed_rows(loop, ops.consts, axes.consts))  # fmt: skip
+        if slots >= rows:
+            return _paired(_kernels.lockstep(loop, ops, axes, store=store), rows)
+        holds = _kernels.stop_predicate(loop, ops.cconsts, axes.cconsts)
+        sched = _schedule.Refill(slots, ops.n, holds, *_refill_order(loop, ops, axes, holds))
+        return _paired(_kernels.forward(loop, ops, axes, sched, store=store), slots)
+    n = ops.n.astype(jnp.int32)
+    strides = _store.strides_for(n, loop.slots_stored) if store else None
+
+    def run(S):
+        if S >= rows:
+            return _paired(_kernels.lockstep(loop, ops, axes, store=store), rows)
+        out = _kernels.forward(loop, ops, axes, _schedule.Wrap.of(n, S), store=store,
+                               strides=strides)  # fmt: skip
+        return _paired(out, S)
+
+    return _with_slots(n, _slots.SlotRule.for_loop(loop, rows, ops.consts, axes.consts), run)
+
+
+def _paired(out: tuple, slots: int) -> tuple:
+    """A forward kernel's outputs with its iterations paired with its slot count."""
+    return out[:4] + ((out[4], slots),)
+
+
+def _with_slots(lengths, rule: _slots.SlotRule, run):
+    """``run(S)`` with the slot count ``S`` chosen at run time among the ``rule``'s candidates
+    (one compiled branch each; none with one candidate)."""
+    if len(rule.candidates) == 1:
+        return run(rule.candidates[0])
+    branches = [lambda c=c: run(c) for c in rule.candidates]
+    return _vma.switch(rule.choose(lengths), branches)
+
+
+def _refill_order(loop: Loop, ops: LoopOperands, axes: LoopOperands, holds) -> tuple:
+    """``(order, pending)``: the order in which continuous batching starts the samples, those
+    with steps to take first (``pending`` of them), by decreasing priority at ``init`` when the
+    loop has one (a NaN counts as the lowest), in batch order among equals."""
+    B = ops.n.shape[0]
+    has = (ops.n > 0) & holds(None, list(ops.init))
+    no_work = jnp.where(has, 0, 1)
+    if not loop.priority:
+        order = jnp.argsort(no_work, stable=True)
+    else:
+        prio = jax.vmap(loop.start_priority, in_axes=(list(axes.cconsts), 0),
+                        axis_size=B)(ops.cconsts, list(ops.init))  # fmt: skip
+        # (sorting puts NaNs last, after every number)
+        order = jnp.lexsort((jnp.arange(B), -prio, no_work))
+    return order.astype(jnp.int32), jnp.sum(has.astype(jnp.int32))
 
 
 def _shared_steps(steps):
@@ -270,7 +328,12 @@ def _backward_rows(loop, level, pert, plan, use_ext, ops: BwdOperands) -> list:
 
         return jax.vmap(unbatched, in_axes=_axes(flags.flat()), axis_size=R)(*ops.flat())
     res, res_b = ops.res, flags.res
-    xs = broadcast_rows(ops.xs, flags.xs, R)
+    # Shared xs stay shared unless perturbed: their cotangents are per row (summed by the
+    # transpose over the levels that did not batch them).
+    x_shared = [not b and not p for b, p in zip(flags.xs, pert.xs, strict=True)]
+    xs = [x if sh else broadcast_rows([x], [b], R)[0]
+          for x, b, sh in zip(ops.xs, flags.xs, x_shared, strict=True)]  # fmt: skip
+    x_axes = [None if sh else 0 for sh in x_shared]
     kd = None if loop.keys is None else broadcast_rows([ops.kd], [flags.kd], R)[0]
     steps = broadcast_rows([res.steps], [res_b.steps], R)[0]
     buf = broadcast_rows(res.stored.buf, res_b.stored.buf, R)
@@ -283,26 +346,43 @@ def _backward_rows(loop, level, pert, plan, use_ext, ops: BwdOperands) -> list:
     k_rows = [ax == 0 or per_row for ax in take(c_axes, pert.consts)]
 
     def run(consts, xs, kd, buf, stride, steps, ct_c, ct_y):
-        args = (loop, pert, consts, c_axes, xs, kd, (buf, stride), steps, ct_c, ct_y)
-        if res_b.steps and not loop.thinning and _schedulable(loop, steps.shape[0]):
-            acc, ct, ct_xs = _schedule.run_with_slots(
-                steps, _schedule.SlotRule.for_loop(loop, steps.shape[0], consts, c_axes),
-                lambda: _batched.backward(*args, per_row=per_row),
-                lambda queue, S: _schedule.backward_wrapped(
-                    *args, per_row=per_row, slots=S, queue=queue
-                ),
-            )  # fmt: skip
-        else:
+        if loop.thinning:  # (checkpoints recomputed segment by segment, in lockstep)
+            xs = broadcast_rows(xs, [ax == 0 for ax in x_axes], steps.shape[0])
+            args = (loop, pert, consts, c_axes, xs, kd, (buf, stride), steps, ct_c, ct_y)
             acc, ct, ct_xs = _batched.backward(*args, per_row=per_row)
+        else:
+            bwd = BwdOperands(consts, xs, kd, Residuals(steps, Stored(buf, stride, [])), ct_c,
+                              ct_y)  # fmt: skip
+            acc, ct, ct_xs = _backward_kernel(loop, pert, bwd, c_axes, x_axes, res_b.steps,
+                                              per_row)  # fmt: skip
         return ct, ct_xs, take(acc, k_rows), take(acc, k_rows, False)
 
     # Under plain jit with the rows sharded over Explicit mesh axes: one loop per device; the
     # shared consts' cotangents are summed over the devices afterwards.
-    nx, nc = len(xs), len(buf)
+    nc = len(buf)
     args = (ops.consts, xs, kd, buf, stride, steps, ct_c, ct_y)
-    in_b = (list(flags.consts), [True] * nx, _leaf_or_none(kd), [True] * nc, True, True,
+    in_b = (list(flags.consts), [ax == 0 for ax in x_axes], _leaf_or_none(kd), [True] * nc, True,
+            True,
             [True] * len(ct_c), [True] * len(ct_y))  # fmt: skip
     ct, ct_xs, acc_rows, acc_shared = per_device(
         run, args, in_b, (steps, buf, ct_c), (lambda acc, across: [across.sum(a) for a in acc],)
     )
     return Cotangents(merge(acc_rows, acc_shared, k_rows), ct, ct_xs).flat()
+
+
+def _backward_kernel(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes, x_axes,
+                     per_sample: bool, per_row: bool) -> tuple:  # fmt: skip
+    """How a batch of rows runs backward from every stored carry: in lockstep, or, under
+    ``"auto"`` with per-sample steps, on the wrap-around schedule of the reverse sweeps in a
+    slot count chosen at run time."""
+    steps = ops.res.steps.astype(jnp.int32)
+    rows = steps.shape[0]
+
+    def run(S):
+        sched = (_schedule.Lockstep(steps, reverse=True) if S >= rows
+                 else _schedule.Wrap.of(steps, S, reverse=True))  # fmt: skip
+        return _kernels.backward(loop, pert, ops, c_axes, x_axes, sched, per_row=per_row)[:3]
+
+    if not (per_sample and _schedulable(loop, rows)):
+        return run(rows)
+    return _with_slots(steps, _slots.SlotRule.for_loop(loop, rows, ops.consts, c_axes), run)

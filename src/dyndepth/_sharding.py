@@ -117,22 +117,27 @@ def mesh_context(leaves: Any):
             yield
 
 
+def _lead_sharding(lead: tuple[int, ...], aval: Any) -> Any:
+    """The sharding of a buffer ``lead + aval.shape`` typed like ``aval`` on its trailing axes
+    (the ``lead`` axes unsharded), or None where ``aval`` carries no mesh (or inside
+    ``shard_map``)."""
+    sharding = getattr(aval, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding) or sharding.mesh.empty or manual_axes():
+        return None
+    spec = tuple(sharding.spec) + (None,) * (len(aval.shape) - len(sharding.spec))
+    return jax.sharding.NamedSharding(
+        sharding.mesh, jax.sharding.PartitionSpec(*([None] * len(lead)), *spec)
+    )
+
+
 def zeros(lead: tuple[int, ...], aval: Any) -> Any:
     """``jnp.zeros(lead + aval.shape, aval.dtype)``, typed like ``aval`` on its trailing axes
     (the ``lead`` axes unsharded) when ``aval`` carries a ``NamedSharding`` on a mesh, outside
     ``shard_map``: a buffer that values of type ``aval`` can be written into under ``jit`` with
     Explicit mesh axes. Plain zeros otherwise."""
     shape = tuple(lead) + tuple(aval.shape)
-    sharding = getattr(aval, "sharding", None)
-    if (
-        isinstance(sharding, jax.sharding.NamedSharding)
-        and not sharding.mesh.empty
-        and not manual_axes()
-    ):
-        spec = tuple(sharding.spec) + (None,) * (len(aval.shape) - len(sharding.spec))
-        target = jax.sharding.NamedSharding(
-            sharding.mesh, jax.sharding.PartitionSpec(*([None] * len(lead)), *spec)
-        )
+    target = _lead_sharding(lead, aval)
+    if target is not None:
         return jax.numpy.zeros(shape, aval.dtype, out_sharding=target)
     return jax.numpy.zeros(shape, aval.dtype)
 

@@ -4,16 +4,17 @@ The forward pass stores, with ``store``, the carry before every step and, with a
 (:mod:`dyndepth._residuals`), each step's other residuals: the backward pass then applies each
 step's pullback without running the step again. Without a plan it recomputes each step from
 its stored carry. With checkpoint thinning the loop runs as a lockstep batch of one
-(:mod:`dyndepth._batched`).
+(:mod:`dyndepth._kernels`).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from . import _batched, _sharding, _vma
+from . import _batched, _kernels, _sharding, _vma
 from ._derivative import Perturbed
 from ._leaves import at_index, expand, put_index, squeeze, take
+from ._operands import LoopOperands
 from ._residuals import ResidualPlan, pullback_of, step_vjp, stored_leaves
 from ._step import Loop, step_consts
 
@@ -24,13 +25,14 @@ def forward(loop: Loop, consts, cconsts, init, xs, n, kd, *, store: bool,
     ``buf[j]`` the carry before step ``j * stride`` and ``ext`` the stored residuals of
     ``plan`` (for the perturbed leaves ``pert``), else None."""
     if loop.thinning:
-        carry, ys, steps, res, stats = _batched.forward(
-            loop, consts, [None] * len(consts), cconsts, [None] * len(cconsts),
-            expand(init), expand(xs), n[None], None if kd is None else kd[None], store=store,
-        )  # fmt: skip
+        one = LoopOperands(list(consts), list(cconsts), expand(init), list(xs), n[None],
+                           None if kd is None else kd[None])  # fmt: skip
+        axes = LoopOperands([None] * len(consts), [None] * len(cconsts), [0] * len(init),
+                            [None] * len(xs), 0, 0)  # fmt: skip
+        carry, ys, steps, res, iters = _kernels.lockstep(loop, one, axes, store=store)
         if store:
             res = (squeeze(res[0]), res[1][0], _no_ext(loop, plan))
-        return squeeze(carry), squeeze(ys), steps[0], res, stats
+        return squeeze(carry), squeeze(ys), steps[0], res, _batched.stats_of(iters, 1)
     T = loop.max_steps
 
     def active(i, carry):

@@ -1,0 +1,235 @@
+"""The batched loop kernels: the forward and the backward sweep over a batch of rows, on a
+schedule (:mod:`dyndepth._schedule`).
+
+Every operand with a row axis has the batch's ``B`` rows; ``axes`` (a
+:class:`dyndepth._operands.LoopOperands` of ``0``/``None``) says which consts and xs leaves have
+one (``None``: shared by the rows, never broadcast). At every iteration each of the schedule's
+``S`` slots reads its sample's carry from that sample's row, applies the step (or its vjp) and
+writes the result back; only live slots write. The body does nothing else: the schedule's
+bookkeeping is one small table read per iteration, and a lockstep schedule reads and writes
+rows in place (no gather, no scatter).
+
+The forward pass stores, with ``store``, the carries of :mod:`dyndepth._store`; the backward
+pass here reads every carry from it (``checkpoints`` above the steps taken: no thinning).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _schedule, _sharding, _store, _vma
+from ._derivative import Perturbed
+from ._leaves import merge, rows_mask, take
+from ._operands import BwdOperands, LoopOperands
+from ._schedule import Slots, at_slots, put_slots
+from ._step import Loop
+
+
+def _per_slot(leaves: list, axes: list, b: Any) -> list:
+    """Each slot's row of the leaves with a row axis (axis 0); shared ones (axis None) as they
+    are."""
+    return [at_slots([x], b)[0] if ax == 0 else x for x, ax in zip(leaves, axes, strict=True)]
+
+
+def _steps_of(i: jax.Array, slots: int) -> jax.Array:
+    return jnp.broadcast_to(i, (slots,))
+
+
+def _xs_at(xs: list, axes: list, b: Any, i: jax.Array, slots: int) -> list:
+    """Each slot's ``x``: ``xs[b, i]`` for per-sample xs, ``xs[i]`` for shared ones."""
+    out = []
+    for x, ax in zip(xs, axes, strict=True):
+        if ax is None:
+            if jnp.ndim(i) == 0:
+                v = jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+            else:
+                v = x.at[jnp.clip(i, 0, x.shape[0] - 1)].get(mode="promise_in_bounds")
+            out.append(jnp.broadcast_to(v, (slots,) + v.shape[jnp.ndim(i) :]))
+        else:
+            out.append(_store.read([x], b, i)[0])
+    return out
+
+
+def _put_ys(ys: list, view: Slots, values: list) -> list:
+    """``ys[b, i] = y`` for the live slots (``ys`` zero elsewhere, as the loop's outputs are)."""
+    if not ys:
+        return ys
+    return _store._put_cells(ys, view.b, view.i, values, view.live)
+
+
+def _keys(loop: Loop, kd: Any, rows: Any, i: jax.Array, slots: int) -> Any:
+    """Each slot's key: its sample's step ``i``'s."""
+    if kd is None:
+        return None
+    return loop.key_at(at_slots([kd], rows)[0], _steps_of(i, slots))
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def forward(loop: Loop, ops: LoopOperands, axes: LoopOperands, sched: Any, *, store: bool,
+            strides: jax.Array | None = None) -> tuple:  # fmt: skip
+    """The loop over the rows of ``ops`` on the schedule ``sched``. Returns ``(carry, ys,
+    steps, res, iterations)``, ``res`` the store's ``(buf, stride)`` with ``store`` (its
+    ``strides`` set up front where the steps are known, else grown as it fills)."""
+    B = ops.n.shape[0]
+    S = sched.slots
+    vstep = loop.vstep(axes.consts, S)
+    kd = ops.kd
+    state = dict(
+        t=jnp.zeros((), jnp.int32),
+        sched=sched.start(list(ops.init)),
+        cur=list(ops.init),
+        ys=[_sharding.zeros((B, loop.max_steps), a) for a in loop.y_avals],
+    )
+    if store:
+        state["store"] = _store.start(loop, list(ops.init), strides)
+
+    def body(s):
+        s = dict(s)
+        t = s["t"]
+        view = sched.view(s["sched"], t)
+        carry = at_slots(s["cur"], view.b)
+        if store:
+            s["store"] = _store.put(loop, s["store"], view.b, view.i, carry, view.live)
+        x = _xs_at(ops.xs, axes.xs, view.b, view.i, S)
+        new, y = vstep(_per_slot(ops.consts, axes.consts, view.b), carry, x,
+                       _keys(loop, kd, view.b, view.i, S))  # fmt: skip
+        s["cur"] = put_slots(s["cur"], view.b, list(new), view.live)
+        s["ys"] = _put_ys(s["ys"], view, list(y))
+        s["sched"] = sched.advance(s["sched"], view, list(new))
+        s["t"] = t + 1
+        return s
+
+    out = _vma.while_loop(lambda s: sched.running(s["sched"], s["t"]), body, state)
+    res = (out["store"]["buf"], out["store"]["stride"]) if store else None
+    return out["cur"], out["ys"], sched.steps(out["sched"]), res, out["t"]
+
+
+def stop_predicate(loop: Loop, cconsts: list, cc_axes: list) -> Any:
+    """The loop's stop predicate over a schedule's slots, ``holds(b, carry)``, or None."""
+    if loop.cond_jaxpr is None:
+        return None
+
+    def holds(b, carry):
+        rows = jnp.shape(jax.tree_util.tree_leaves(carry)[0])[0]
+        return loop.vcond(cc_axes, rows)(_per_slot(cconsts, cc_axes, b), carry)
+
+    return holds
+
+
+def lockstep(loop: Loop, ops: LoopOperands, axes: LoopOperands, *, store: bool) -> tuple:
+    """:func:`forward` with every sample in its own slot: until its depth, or while its stop
+    predicate holds."""
+    holds = stop_predicate(loop, ops.cconsts, axes.cconsts)
+    if holds is not None:
+        return forward(loop, ops, axes, _schedule.LockstepWhile(ops.n, holds), store=store)
+    n = ops.n.astype(jnp.int32)
+    strides = _store.strides_for(n, loop.slots_stored) if store else None
+    return forward(loop, ops, axes, _schedule.Lockstep(n), store=store, strides=strides)
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def slot_vjp(loop: Loop, pert: Perturbed, consts, c_axes, carry, x, key, ct_c, ct_y, live, *,
+             per_row: bool):  # fmt: skip
+    """One step's vjp on the slots; slots that are not ``live`` contribute nothing (their
+    inputs are a point of some sample's trajectory, their cotangents zero).
+
+    Returns cotangents ``(g_consts, g_carry, g_x)`` of the perturbed leaves: a const with
+    axis 0 one per slot; a shared const (axis ``None``) summed over the slots, or with
+    ``per_row`` one per slot (``vmap`` of a per-sample vjp)."""
+    kp, cp, xp = pert.consts, pert.carry, pert.xs
+    S = live.shape[0]
+    ct_c = [jnp.where(rows_mask(live, c), c, 0) for c in ct_c]
+    ct_y = [jnp.where(rows_mask(live, c), c, 0) for c in ct_y]
+
+    def pullback(step, k_d, k_n, c_d, c_n, x_d, x_n, k, ct_c, ct_y):
+        def f(k_d, c_d, x_d):
+            new_c, y = step(merge(k_d, k_n, kp), merge(c_d, c_n, cp), merge(x_d, x_n, xp), k)
+            return take(new_c, cp), take(y, pert.ys)
+
+        return jax.vjp(f, k_d, c_d, x_d)[1]((ct_c, ct_y))
+
+    # Inside shard_map, a vjp with respect to a replicated const would psum its cotangent over
+    # the devices, a collective inside a loop whose trip count differs per device: varying
+    # consts (and xs) keep the per-device cotangents local; the caller sums them once.
+    args = (
+        _vma.vary(take(consts, kp)), take(consts, kp, False),
+        take(carry, cp), take(carry, cp, False),
+        _vma.vary(take(x, xp)), take(x, xp, False),
+        key, ct_c, ct_y,
+    )  # fmt: skip
+    if per_row:
+        in_axes = (list(take(c_axes, kp)), list(take(c_axes, kp, False))) + (0,) * 7
+        return jax.vmap(lambda *a: pullback(loop.step, *a), in_axes=in_axes, axis_size=S)(*args)
+    return pullback(loop.vstep(c_axes, S), *args)
+
+
+def backward(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes: list, x_axes: list,
+             sched: Any, *, per_row: bool) -> tuple:  # fmt: skip
+    """The reverse sweep over the rows on ``sched`` (a reverse schedule of the steps taken),
+    every carry read from the store. ``ops.ct_carry``/``ops.ct_ys`` hold the perturbed
+    leaves only. Returns cotangents ``(consts, init, xs)`` of the perturbed leaves: a shared
+    const's summed over the rows, or per row with ``per_row``; the xs' per row (a perturbed
+    xs leaf has axis 0)."""
+    B = ops.res.steps.shape[0]
+    S = sched.slots
+    assert not loop.thinning
+    buf = ops.res.stored.buf
+    kd = ops.kd
+    d_axes = take(c_axes, pert.consts)
+    # (a const's cotangent with a row axis: a per-sample const's, or each sample's own)
+    rows = [ax == 0 or per_row for ax in d_axes]
+    state = dict(
+        t=jnp.zeros((), jnp.int32),
+        sched=sched.start([]),
+        cur=list(ops.ct_carry),
+        acc=_accumulators(pert, ops.consts, c_axes, B, per_row),
+        ct_xs=[jnp.zeros_like(x) for x in take(ops.xs, pert.xs)],
+    )
+
+    def body(s):
+        s = dict(s)
+        t = s["t"]
+        view = sched.view(s["sched"], t)
+        j, b, live, src = view.i, view.b, view.live, view.rows
+        carry = _store.read(buf, src, j)  # (every carry stored: slot j)
+        x = _xs_at(ops.xs, x_axes, src, j, S)
+        ct_y = _store.read(ops.ct_ys, src, j)
+        g_k, g_c, g_x = slot_vjp(
+            loop, pert, _per_slot(ops.consts, c_axes, src), c_axes, carry, x,
+            _keys(loop, kd, src, j, S), at_slots(s["cur"], src), ct_y, live, per_row=per_row,
+        )  # fmt: skip
+        s["cur"] = put_slots(s["cur"], b, list(g_c), live)
+        s["acc"] = [_add_rows(a, b, g, live) if r else a + g
+                    for a, g, r in zip(s["acc"], g_k, rows, strict=True)]  # fmt: skip
+        s["ct_xs"] = _store._put_cells(s["ct_xs"], b, j, list(g_x), live)
+        s["sched"] = sched.advance(s["sched"], view, [])
+        s["t"] = t + 1
+        return s
+
+    out = _vma.while_loop(lambda s: sched.running(s["sched"], s["t"]), body, state)
+    return out["acc"], out["cur"], out["ct_xs"], out["t"]
+
+
+def _add_rows(acc: jax.Array, b: Any, g: jax.Array, live: jax.Array) -> jax.Array:
+    """``acc[b[s]] += g[s]`` for the live slots (in place for a lockstep schedule)."""
+    if b is None:
+        return acc + jnp.where(rows_mask(live, g), g, 0)
+    return acc.at[jnp.where(live, b, acc.shape[0])].add(g, mode="drop")
+
+
+def _accumulators(pert: Perturbed, consts, c_axes, B: int, per_row: bool) -> list:
+    """Zero accumulators for the perturbed consts' cotangents (see :func:`slot_vjp`)."""
+    out = []
+    for c, ax in zip(take(consts, pert.consts), take(c_axes, pert.consts), strict=True):
+        if ax is None and per_row:
+            out.append(_sharding.zeros((B,), _sharding.typed_aval(c)))
+        else:
+            out.append(jnp.zeros_like(c))
+    return out

@@ -1,0 +1,156 @@
+"""How many slots a scheduled batch runs in: the slot-count policy, apart from the kernels.
+
+A batch of ``B`` samples with per-sample step counts runs in ``S <= B`` slots (static shapes, one
+compiled copy of the step per count). With known step counts, the wrap-around schedule of
+:mod:`dyndepth._schedule` runs ``C(S) = max(max(steps), ceil(sum(steps) / S))`` iterations; the
+count is chosen at run time, once the steps are known, among a short ladder of candidates:
+by the time model of :mod:`dyndepth._cost` (:func:`choose_by_time`, the default), or by work
+(:func:`choose_by_work`, ``slots="work"``). Continuous batching (stopping steps unknown up
+front) takes one count, :func:`refill_slots`. Everything here is a pure function of counts and
+of the steps; the kernels never decide a count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from . import _cost
+from ._budget import nbytes
+from ._step import Loop
+
+# Each slot count is one compiled copy of the step (forward and backward), so the ladders are
+# short: at most MAX_COUNTS counts. The time rule's ladder is ``B``, ``B / 2``, ``B / 4``, ``B / 8``
+# (where the best count of common distributions lies: about ``sum / max`` or just below, ``B / 2``
+# for uniform depths, ``B / 3`` for a long tail), then a ratio of 4; no count below
+# ``fixed_rows / 8`` (an iteration's fixed cost in rows: a count that runs the same iterations
+# with up to that many more rows costs within 1 / 8 of it).
+MAX_COUNTS = 5
+LADDER_RATIO = 8
+# The work rule takes a slot count when it executes at most this fraction more than the useful
+# steps.
+WORK_SLACK = 1 / 16
+
+
+def slot_candidates(batch: int, fixed_rows: float) -> tuple[int, ...]:
+    """The slot counts that ``slots=None`` chooses from at run time (by :func:`choose_by_time`,
+    one compiled branch each), descending, as the comment above says; batches of 2 or fewer
+    run unscheduled."""
+    if batch <= 2:
+        return (batch,)
+    smallest = max(1, math.floor(fixed_rows / 8))
+    counts, c = [batch], batch
+    while c > 1 and len(counts) < MAX_COUNTS:
+        c = math.ceil(c / (2 if len(counts) < 4 else 4))
+        if c < smallest:
+            break
+        counts.append(c)
+    return tuple(counts)
+
+
+def work_candidates(batch: int) -> tuple[int, ...]:
+    """The slot counts that ``slots="work"`` chooses from (by :func:`choose_by_work`),
+    descending: ``B``, ``B / 2``, ``B / 16``, ``B / 128``, ... (rounded up), then 1; batches
+    of 2 or fewer run unscheduled."""
+    if batch <= 2:
+        return (batch,)
+    out, c = [batch], math.ceil(batch / 2)
+    while c > 1:
+        out.append(c)
+        c = math.ceil(c / LADDER_RATIO)
+    return tuple(out) + (1,)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotRule:
+    """How a batch of ``B`` rows picks its slot count at run time: among ``candidates``
+    (descending), the one :func:`choose_by_time` (``fixed_rows`` given) or, for
+    ``slots="work"`` (``fixed_rows`` None), :func:`choose_by_work` picks."""
+
+    candidates: tuple[int, ...]
+    fixed_rows: float | None
+
+    @staticmethod
+    def of(slots: int | tuple[int, ...] | str | None, batch: int, fixed_rows: float) -> SlotRule:
+        """The rule of a loop's ``slots`` argument: the time rule on the default ladder, one
+        count, or the given counts (those of ``batch`` or more all mean the lockstep batch);
+        ``"work"``: the work rule on its ladder."""
+        if slots == "work":
+            return SlotRule(work_candidates(batch), None)
+        if slots is None:
+            return SlotRule(slot_candidates(batch, fixed_rows), fixed_rows)
+        counts = (slots,) if isinstance(slots, int) else slots
+        return SlotRule(tuple(sorted({min(c, batch) for c in counts}, reverse=True)), fixed_rows)
+
+    @staticmethod
+    def for_loop(loop: Loop, batch: int, consts, c_axes) -> SlotRule:
+        """The rule of ``loop`` over ``batch`` rows, its step's fixed cost in rows read from the
+        default backend's costs (``consts`` with axis ``None`` in ``c_axes``: the weights every
+        iteration reads once)."""
+        return SlotRule.of(loop.slots, batch, fixed_rows(loop, consts, c_axes))
+
+    def choose(self, lengths: jax.Array) -> jax.Array:
+        if self.fixed_rows is None:
+            return choose_by_work(lengths, self.candidates)
+        return choose_by_time(lengths, self.candidates, self.fixed_rows)
+
+
+def fixed_rows(loop: Loop, consts, c_axes) -> float:
+    """An iteration's fixed cost in rows of ``loop``'s step on the default backend, the step's
+    consts shared by the rows (axis ``None``) read once per iteration."""
+    shared = nbytes([c for c, ax in zip(consts, c_axes, strict=True) if ax is None])
+    return _cost.backend_cost().fixed_rows(_cost.jaxpr_flops(loop.step_jaxpr.jaxpr), shared)
+
+
+def refill_slots(slots: int | tuple[int, ...] | str | None, batch: int, fixed_rows: float) -> int:
+    """The slot count of continuous batching (stopping steps unknown up front): ``slots``, the
+    largest of several; by default a quarter of the batch, or the whole batch (a lockstep loop
+    that ends with its last sample) where an iteration's fixed cost outweighs a quarter of its
+    rows: refilling slots then costs more in iterations than it saves in rows."""
+    if isinstance(slots, int):
+        return slots
+    if isinstance(slots, tuple):
+        return slots[0]
+    if slots is None and fixed_rows >= batch / 4:
+        return batch
+    return math.ceil(batch / 4)
+
+
+def iterations(total: jax.Array, longest: jax.Array, slots: int) -> jax.Array:
+    """``C``, the iterations of the wrap-around schedule in ``slots`` slots: enough for the
+    ``total`` steps, and no fewer than the ``longest`` sample's (its steps run in order)."""
+    return jnp.maximum(longest, -(-total // slots))
+
+
+def executed_steps(lengths: jax.Array, slots: int) -> jax.Array:
+    """Sample-steps the wrap-around schedule executes with ``slots`` slots: ``slots x C``."""
+    return slots * iterations(jnp.sum(lengths), jnp.max(lengths), slots)
+
+
+def modeled_time(total: jax.Array, longest: jax.Array, slots: int, fixed_rows: float):
+    """The time model of :mod:`dyndepth._cost` in row-steps: ``C x (fixed_rows + slots)``."""
+    return iterations(total, longest, slots).astype(jnp.float32) * (fixed_rows + slots)
+
+
+def choose_by_time(lengths: jax.Array, candidates: tuple[int, ...], fixed_rows: float):
+    """Index into ``candidates`` (descending) of the slot count of least modeled time (the
+    first, so the most slots, among equals)."""
+    lengths = lengths.astype(jnp.int32)
+    total, longest = jnp.sum(lengths), jnp.max(lengths)
+    times = jnp.stack([modeled_time(total, longest, c, fixed_rows) for c in candidates])
+    return jnp.argmin(times).astype(jnp.int32)
+
+
+def choose_by_work(lengths: jax.Array, candidates: tuple[int, ...]) -> jax.Array:
+    """Index into ``candidates`` (descending) of the largest slot count that executes at most
+    ``(1 + WORK_SLACK) x sum(lengths)`` sample-steps, else of the one that executes fewest.
+    The largest such count runs the fewest iterations; 1 slot always executes exactly the sum,
+    so the work bound holds for every distribution of lengths."""
+    lengths = lengths.astype(jnp.int32)
+    total = jnp.sum(lengths)
+    work = jnp.stack([executed_steps(lengths, c) for c in candidates])
+    ok = work.astype(jnp.float32) <= (1 + WORK_SLACK) * total.astype(jnp.float32)
+    return jnp.where(jnp.any(ok), jnp.argmax(ok), jnp.argmin(work)).astype(jnp.int32)

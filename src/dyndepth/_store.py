@@ -1,0 +1,117 @@
+"""The carries a forward pass stores for its backward pass, one store for every batched kernel.
+
+Per sample ``b``, at most ``K`` carries (``K`` the loop's :attr:`dyndepth._step.Loop.slots_stored`):
+slot ``k`` holds the carry before step ``k x stride[b]``, ``stride[b]`` the smallest power of two
+with ``ceil(steps[b] / stride[b]) <= K`` (1 while the sample's steps fit: every carry). Where the
+steps are known before the loop (depths), the strides are set then; where they are not (a stop
+predicate), a sample whose ``K`` slots fill up keeps every other carry at twice the stride,
+which ends in the same layout. Slot 0 always holds the initial carry, so that a backward pass
+never evaluates the step at an unwritten slot.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _sharding, _vma
+from ._schedule import at_slots
+from ._step import Loop
+
+
+def strides_for(lengths: jax.Array, K: int) -> jax.Array:
+    """The smallest power of two ``s`` with ``ceil(length / s) <= K``, per sample."""
+    need = jnp.maximum(-(-lengths.astype(jnp.int32) // K), 1)  # ceil(length / K), at least 1
+    bits = 32 - jax.lax.clz(need - 1)  # (need a power of two: need - 1 has that many bits)
+    return jnp.left_shift(jnp.ones_like(need), bits)
+
+
+def start(loop: Loop, init: list, strides: jax.Array | None) -> dict:
+    """The store before the first step: ``init`` in slot 0; ``strides`` given (known steps) or
+    growing as the slots fill (``None``)."""
+    B = strides.shape[0] if strides is not None else init[0].shape[0]
+    buf = [_sharding.zeros((B, loop.slots_stored), a).at[:, 0].set(c)
+           for a, c in zip(loop.carry_avals, init, strict=True)]  # fmt: skip
+    if strides is not None:
+        return {"buf": buf, "stride": strides}
+    ones = jnp.ones((B,), jnp.int32)
+    return {"buf": buf, "stride": ones, "count": jnp.zeros((B,), jnp.int32)}
+
+
+def put(loop: Loop, store: dict, b: Any, i: jax.Array, carry: list, live: jax.Array) -> dict:
+    """Store each live slot's ``carry``, the carry before its sample's step ``i``, where that
+    step falls on the sample's stride."""
+    if not loop.thinning:  # every carry is stored: slot i
+        return dict(store, buf=_put_cells(store["buf"], b, i, carry, live))
+    if "count" in store:
+        store = _make_room(loop, store, b, i, live)
+    stride = at_slots([store["stride"]], b)[0]
+    want = live & (i % stride == 0)
+    k = (i // stride) if "count" not in store else at_slots([store["count"]], b)[0]
+    buf = _put_cells(store["buf"], b, k, carry, want)
+    out = dict(store, buf=buf)
+    if "count" in store:
+        B = store["count"].shape[0]
+        out["count"] = store["count"].at[jnp.where(want, _rows_of(b, want), B)].add(1, mode="drop")
+    return out
+
+
+def read(store_buf: list, b: Any, k: jax.Array) -> list:
+    """``buf[b[s], k[s]]`` for every buffer (``b`` None: row ``s``)."""
+    return [_cells(x, b, k) for x in store_buf]
+
+
+def _rows_of(b: Any, like: jax.Array) -> jax.Array:
+    return jnp.arange(like.shape[0]) if b is None else b
+
+
+def _cells(x: jax.Array, b: Any, k: jax.Array) -> jax.Array:
+    if b is None and jnp.ndim(k) == 0:
+        return jax.lax.dynamic_index_in_dim(x, k, 1, keepdims=False)
+    rows = jnp.arange(x.shape[0]) if b is None else b
+    k = jnp.broadcast_to(k, rows.shape)
+    return x.at[rows, jnp.clip(k, 0, x.shape[1] - 1)].get(mode="promise_in_bounds")
+
+
+def _put_cells(bufs: list, b: Any, k: jax.Array, values: list, want: jax.Array) -> list:
+    """``buf[b[s], k[s]] = value[s]`` where ``want``; one shared ``k`` with ``b`` None is a
+    column write (a dynamic update slice, not a scatter)."""
+    if b is None and jnp.ndim(k) == 0:
+        out = []
+        for x, v in zip(bufs, values, strict=True):
+            old = jax.lax.dynamic_index_in_dim(x, k, 1, keepdims=False)
+            new = jnp.where(want.reshape(want.shape + (1,) * (v.ndim - 1)), v, old)
+            out.append(jax.lax.dynamic_update_index_in_dim(x, new, k, 1))
+        return out
+    rows = _rows_of(b, want)
+    drop = jnp.where(want, rows, bufs[0].shape[0] if bufs else 0)
+    k = jnp.broadcast_to(k, rows.shape)
+    return [x.at[drop, k].set(v, mode="drop") for x, v in zip(bufs, values, strict=True)]
+
+
+def _make_room(loop: Loop, store: dict, b: Any, i: jax.Array, live: jax.Array) -> dict:
+    """Before storing: samples whose ``K`` slots are full and that store at this step keep
+    every other carry at twice the stride (rare: a ``cond`` skips it otherwise)."""
+    K = loop.slots_stored
+    stride, count = at_slots([store["stride"], store["count"]], b)
+    full = live & (i % stride == 0) & (count == K)
+    rows = _rows_of(b, full)
+
+    def thin(s):
+        kept = (K + 1) // 2
+        drop = jnp.where(full, rows, s["count"].shape[0])
+
+        def halve(x):
+            mine = x.at[rows].get(mode="promise_in_bounds")
+            pad = jnp.zeros((mine.shape[0], K - kept) + mine.shape[2:], mine.dtype)
+            return x.at[drop].set(jnp.concatenate([mine[:, 0::2], pad], axis=1), mode="drop")
+
+        return dict(
+            buf=[halve(x) for x in s["buf"]],
+            stride=s["stride"].at[drop].set(stride * 2, mode="drop"),
+            count=s["count"].at[drop].set(kept, mode="drop"),
+        )
+
+    return _vma.cond(jnp.any(full), thin, lambda s: s, store)

@@ -127,9 +127,11 @@ def count_arg(
 
 def _clamp(value: jax.Array, max_value: int) -> jax.Array:
     """Clamp into ``[0, max_value]`` in the value's own dtype, then cast to int32 (casting first
-    would wrap unsigned values >= 2**31 to negatives)."""
-    hi = np.array(max_value).astype(np.dtype(value.dtype))
-    return jnp.clip(value, jnp.zeros((), value.dtype), hi).astype(jnp.int32)
+    would wrap unsigned values >= 2**31 to negatives). A bound beyond the dtype's range is the
+    dtype's largest value (casting it would wrap: ``uint8(300)`` is 44)."""
+    dtype = np.dtype(value.dtype)
+    hi = np.array(min(max_value, int(np.iinfo(dtype).max)), dtype)
+    return jnp.clip(value, jnp.zeros((), dtype), hi).astype(jnp.int32)
 
 
 def keystr(path: Any) -> str:

@@ -163,12 +163,16 @@ def repeat(
       strategy            transformations                             cost
       ==================  ==========================================  =========================
       ``"auto"``          jit, vmap, grad, vjp, jacrev, jvp, jacfwd,  forward and backward
-                          hessian (forward over reverse), reverse     follow ``depth``; under
-                          over forward; every order of vmap and       ``vmap`` with per-sample
-                          differentiation. Reverse over reverse       depths the per-sample
-                          (``grad(grad(f))``) and reverse over        scheduler: work close to
-                          forward differentiate the ``"masked"``      ``sum(depth)``
-                          loop (``max_depth`` steps)
+                          hessian; every order of vmap and            follow ``depth``; under
+                          differentiation, whatever stands between    ``vmap`` with per-sample
+                          them (``jit``, ``vjp``, ``lax.cond``,       depths the per-sample
+                          ``lax.scan``, ``jax.checkpoint``).          scheduler: work close to
+                          Forward over reverse (``hessian``) and      ``sum(depth)``
+                          reverse over forward follow ``depth``;
+                          reverse over reverse (``grad(grad(f))``)
+                          transposes the backward pass's
+                          derivative as the ``"masked"`` loop's
+                          (``max_depth`` steps)
       ``"checkpointed"``  as ``"auto"``                               as ``"auto"``, but under
                                                                       ``vmap`` the batch runs
                                                                       until its deepest sample

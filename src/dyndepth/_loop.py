@@ -548,7 +548,8 @@ def repeat_batched(
 
     **Transformations:** jit, vmap (a batch of batches: the outer vmap masks), grad, vjp, jacrev,
     jvp, jacfwd, forward over reverse (``jax.hessian``), reverse over reverse (``grad(grad(f))``,
-    through the ``"masked"`` loop's derivative: ``max_depth`` steps, unscheduled).
+    a ``jit`` or ``lax`` control flow between the two or not: the backward pass's derivative
+    transposed as the ``"masked"`` loop's, ``max_depth`` steps, unscheduled).
 
     **Returns:** the batch of final carries (and the stats dict with ``return_stats``).
 

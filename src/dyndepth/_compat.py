@@ -180,3 +180,20 @@ def trace_context() -> tuple:
     if callable(read):
         return read()
     return tuple(getattr(jax.config, name, None) for name in TRACE_OPTIONS)
+
+
+def jaxprs_in_params(params: dict) -> list:
+    """The core jaxprs among an equation's parameters (a ``ClosedJaxpr``'s unwrapped, tuples of
+    them included): ``jax.extend.core.jaxprs_in_params`` where JAX has it (0.10 and later),
+    else the same walk here."""
+    public = getattr(jax.extend.core, "jaxprs_in_params", None)
+    if public is not None:
+        return list(public(params))
+    found = []
+    for value in params.values():
+        for v in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(v, jax.extend.core.ClosedJaxpr):
+                found.append(v.jaxpr)
+            elif isinstance(v, jax.extend.core.Jaxpr):
+                found.append(v)
+    return found

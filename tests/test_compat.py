@@ -239,3 +239,19 @@ def test_trace_context_fallback(monkeypatch):
         assert _compat.trace_context() != base
     with jax.numpy_rank_promotion("raise"):
         assert _compat.trace_context() != base
+
+
+def test_jaxprs_in_params_without_jax_extends(monkeypatch):
+    """Before jax 0.10 (the floor is 0.9.2), ``jax.extend.core`` has no ``jaxprs_in_params``:
+    the fallback walks the parameters itself and finds the same jaxprs."""
+
+    def f(x):
+        y = jax.lax.cond(x > 0, jnp.sin, jnp.cos, x)
+        return jax.lax.scan(lambda c, _: (c * y, None), x, None, length=2)[0]
+
+    eqns = jax.make_jaxpr(f)(1.0).jaxpr.eqns
+    public = [list(jax.extend.core.jaxprs_in_params(e.params)) for e in eqns]
+    monkeypatch.delattr(jax.extend.core, "jaxprs_in_params")
+    fallback = [_compat.jaxprs_in_params(e.params) for e in eqns]
+    assert [[id(j) for j in js] for js in fallback] == [[id(j) for j in js] for js in public]
+    assert sum(map(len, fallback)) == 3  # the cond's two branches, the scan's body

@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv test test-full lint demo bench docs docs-test dist clean
+.PHONY: venv test test-full test-floor lint demo bench docs docs-test dist clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,27 @@ PYTEST_ARGS ?= -n 2
 
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS) tests
+
+# The oldest jax the project supports (pyproject.toml's `jax>=` floor), in a virtual environment of
+# its own (.venv-floor, jax and jaxlib pinned to the floor): the README's code (the quickstart
+# included), every loop on a 4x2 Explicit mesh (8 simulated devices) and JAX's testScanGrad in its
+# jitted form. About a minute and a half on the project's 2-core machine, the venv included.
+FLOOR_VENV ?= .venv-floor
+JAX_FLOOR := $(shell sed -n 's/.*"jax>=\([0-9.]*\)".*/\1/p' pyproject.toml)
+FLOOR_TESTS := "tests/test_docs.py::test_page_code_runs[README.md]" \
+	tests/test_explicit_batch_depth.py \
+	"tests/test_second_order_forms.py::test_jax_scan_grad[jit_scan=True-jit_f=True-auto-depth3]"
+
+$(FLOOR_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q --upgrade pip
+	$(FLOOR_VENV)/bin/python -m pip install -q "jax==$(JAX_FLOOR)" "jaxlib==$(JAX_FLOOR)" \
+		pytest pytest-xdist hypothesis -e .
+	touch $@
+
+test-floor: $(FLOOR_VENV)/.installed
+	$(FLOOR_VENV)/bin/python -c "import jax; assert jax.__version__ == '$(JAX_FLOOR)', jax.__version__"
+	$(FLOOR_VENV)/bin/python -m pytest $(PYTEST_ARGS) -p no:cacheprovider $(FLOOR_TESTS)
 
 # Everything: the whole transform matrix (every loop x composition x strategy x checkpoints:
 # 376 cases instead of the covering subset that `make test` runs) and the tests marked `slow`
@@ -56,4 +77,4 @@ dist: venv
 	$(VENV)/bin/twine check --strict dist/*
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache site dist
+	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache .ruff_cache site dist

@@ -212,24 +212,6 @@ def test_auto_mesh_without_the_devices_registry():
     assert r["value_err"] < 1e-5 and r["grad_err"] < 1e-5, r
 
 
-def test_reverse_over_reverse_without_the_linearize_tracer_type(monkeypatch):
-    """Reverse over reverse equals a plain loop's; without JAX's linearize tracer type (the
-    fallback of :func:`dyndepth._compat.reverse_tracer_types`) it raises the TypeError that
-    names forward over reverse instead (docs/limits.md), never a wrong value."""
-
-    def f(w):
-        return jnp.sum(dd.repeat(lambda c: jnp.tanh(w * c), jnp.ones(2), 3, max_depth=4))
-
-    def plain(w):
-        return jnp.sum(reference_repeat(lambda c: jnp.tanh(w * c), jnp.ones(2), 3))
-
-    tree_allclose(jax.grad(jax.grad(f))(0.5), jax.grad(jax.grad(plain))(0.5), rtol=1e-5)
-    hide(monkeypatch, "linearize_tracer")
-    assert _compat.reverse_tracer_types()[0] == ()
-    with pytest.raises(TypeError, match="forward over reverse"):
-        jax.grad(jax.grad(f))(0.5)
-
-
 def test_lowered_for_export_fallback(monkeypatch):
     """The export flag read from a lowering context, and False when the context lacks it."""
 
@@ -245,3 +227,31 @@ def test_lowered_for_export_fallback(monkeypatch):
     assert _compat.lowered_for_export(Ctx()) is True
     hide(monkeypatch, "for_export")
     assert _compat.lowered_for_export(Ctx()) is False
+
+
+def test_trace_context_fallback(monkeypatch):
+    """Without JAX's ``trace_context``, the public options that change a trace: a step traced
+    under one matmul precision or rank promotion is still not reused under another."""
+    hide(monkeypatch, "trace_context")
+    base = _compat.trace_context()
+    assert base == tuple(getattr(jax.config, n) for n in _compat.TRACE_OPTIONS)
+    with jax.default_matmul_precision("highest"):
+        assert _compat.trace_context() != base
+    with jax.numpy_rank_promotion("raise"):
+        assert _compat.trace_context() != base
+
+
+def test_jaxprs_in_params_without_jax_extends(monkeypatch):
+    """Before jax 0.10 (the floor is 0.9.2), ``jax.extend.core`` has no ``jaxprs_in_params``:
+    the fallback walks the parameters itself and finds the same jaxprs."""
+
+    def f(x):
+        y = jax.lax.cond(x > 0, jnp.sin, jnp.cos, x)
+        return jax.lax.scan(lambda c, _: (c * y, None), x, None, length=2)[0]
+
+    eqns = jax.make_jaxpr(f)(1.0).jaxpr.eqns
+    public = [list(jax.extend.core.jaxprs_in_params(e.params)) for e in eqns]
+    monkeypatch.delattr(jax.extend.core, "jaxprs_in_params")
+    fallback = [_compat.jaxprs_in_params(e.params) for e in eqns]
+    assert [[id(j) for j in js] for js in fallback] == [[id(j) for j in js] for js in public]
+    assert sum(map(len, fallback)) == 3  # the cond's two branches, the scan's body

@@ -2,10 +2,11 @@
 penalties, meta-learning) through every loop, against the plain-Python references of the
 transform matrix (tests/test_transform_matrix.py).
 
-A loop differentiated inside an enclosing reverse-mode differentiation takes the derivative of
-the ``"masked"`` loop (plain ``lax``, ``max_steps`` steps): every order then is JAX's own. The
-cases run through each second-order transform once, the configuration rotating, so that every
-case meets several configurations and every transform every case.
+The backward pass's derivative is transposed as the ``"masked"`` loop's (plain ``lax``, every
+order JAX's own) wherever the outer reverse pass is: around the inner one, or hidden from it by a
+``jit``, a ``vjp``, a ``lax.cond`` or a ``jax.checkpoint`` (the transforms below). The cases run
+through each second-order transform, the configuration rotating, so that every case meets
+several configurations and every transform several cases.
 """
 
 from __future__ import annotations
@@ -69,12 +70,73 @@ def t_jacrev_grad(vmap, fn, p, args):
     return jax.jacrev(jax.grad(lambda q: tm.loss(fn(q, *tm.first(args)))))(p)
 
 
+def hiding(vmap):
+    """``(jit, cond, checkpoint)`` for the dyndepth side; for the reference (``vmap`` the Python
+    loop, which needs concrete depths), plain calls: the same functions, untraced."""
+    if vmap is jax.vmap:
+        return jax.jit, jax.lax.cond, jax.checkpoint
+    return (lambda f: f), (lambda pred, f, g, x: f(x) if pred else g(x)), (lambda f: f)
+
+
+def t_grad_jit_grad(vmap, fn, p, args):
+    """The penalty's inner gradient jitted: the outer reverse pass sees a jitted derivative."""
+
+    def penalty(p):
+        jit = hiding(vmap)[0]
+        return tree_sq(jit(jax.grad(lambda q: tm.loss(fn(q, *tm.first(args)))))(p))
+
+    return jax.grad(penalty)(p)
+
+
+def t_grad_grad_jit_vmap(vmap, fn, p, args):
+    """Both differentiations outside a jitted batched loss."""
+    f = hiding(vmap)[0](lambda q: tm.loss(vmap(fn, tm.axes(args))(q, *tm.head(args))))
+    return jax.grad(lambda p: tree_sq(jax.grad(f)(p)))(p)
+
+
+def t_grad_vjp_jit(vmap, fn, p, args):
+    """A jitted loss inside a vjp inside a gradient."""
+
+    def penalty(p):
+        _, pull = jax.vjp(hiding(vmap)[0](lambda q: tm.loss(fn(q, *tm.first(args)))), p)
+        return tree_sq(pull(jnp.float32(1.0)))
+
+    return jax.grad(penalty)(p)
+
+
+def t_grad_cond_grad(vmap, fn, p, args):
+    """The inner gradient inside a ``lax.cond`` branch."""
+
+    def penalty(p):
+        cond = hiding(vmap)[1]
+        g = cond(True, jax.grad(lambda q: tm.loss(fn(q, *tm.first(args)))), lambda q: q, p)
+        return tree_sq(g)
+
+    return jax.grad(penalty)(p)
+
+
+def t_grad_checkpoint_grad(vmap, fn, p, args):
+    """The inner gradient under ``jax.checkpoint``."""
+
+    def penalty(p):
+        checkpoint = hiding(vmap)[2]
+        g = jax.grad(lambda q: tm.loss(vmap(fn, tm.axes(args))(q, *tm.head(args))))
+        return tree_sq(checkpoint(g)(p))
+
+    return jax.grad(penalty)(p)
+
+
 TRANSFORMS = {
     "grad(grad)": t_grad_grad,
     "grad(vmap(grad))": t_grad_vmap_grad,
     "vmap(grad(grad))": t_vmap_grad_grad,
     "grad(grad(vmap))": t_grad_grad_vmap,
     "jacrev(grad)": t_jacrev_grad,
+    "grad(jit(grad))": t_grad_jit_grad,
+    "grad(grad(jit(vmap)))": t_grad_grad_jit_vmap,
+    "grad(vjp(jit))": t_grad_vjp_jit,
+    "grad(cond(grad))": t_grad_cond_grad,
+    "grad(checkpoint(grad(vmap)))": t_grad_checkpoint_grad,
 }
 CONFIGS = [("auto", None), ("checkpointed", 2), ("checkpointed", None), ("auto", 2)]
 # Every case under every transform with DYNDEPTH_FULL=1 (make test-full); otherwise three

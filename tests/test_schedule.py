@@ -478,7 +478,7 @@ def test_an_iteration_reads_the_shared_weights_once():
     assert cost.fixed_rows(1e3, 3e3) == pytest.approx(5.0)
     plain = dd_cost.IterationCost(fixed_seconds=2e-6, flops_per_second=1e9, row_floor_seconds=0.0)
     assert plain.fixed_rows(1e3, 3e3) == pytest.approx(2.0)
-    with pytest.raises(ValueError, match="bytes_per_second > 0"):
+    with pytest.raises(ValueError, match=r"`cost.bytes_per_second` must be > 0"):
         dyndepth.set_iteration_cost("cpu", dataclasses.replace(cost, bytes_per_second=0.0))
 
 

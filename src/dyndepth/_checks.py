@@ -135,9 +135,11 @@ def count_arg(
 
 def _clamp(value: jax.Array, max_value: int) -> jax.Array:
     """Clamp into ``[0, max_value]`` in the value's own dtype, then cast to int32 (casting first
-    would wrap unsigned values >= 2**31 to negatives)."""
-    hi = np.array(max_value).astype(np.dtype(value.dtype))
-    return jnp.clip(value, jnp.zeros((), value.dtype), hi).astype(jnp.int32)
+    would wrap unsigned values >= 2**31 to negatives). A bound beyond the dtype's range is the
+    dtype's largest value (casting it would wrap: ``uint8(300)`` is 44)."""
+    dtype = np.dtype(value.dtype)
+    hi = np.array(min(max_value, int(np.iinfo(dtype).max)), dtype)
+    return jnp.clip(value, jnp.zeros((), dtype), hi).astype(jnp.int32)
 
 
 def keystr(path: Any) -> str:
@@ -171,13 +173,16 @@ def batch_counts_arg(
 ) -> jax.Array:
     """Integer counts of shape ``(B,)`` (one per sample) or ``()`` (one for the whole batch; a
     Python int too); concrete values are range-checked."""
+    if isinstance(value, list | tuple):
+        # (Python ints are checked as Python ints: numpy cannot hold those beyond int64)
+        for b, v in enumerate(value):
+            _python_count_in_range(v, name, max_name, max_value, f" at batch index {b}")
+        value = np.asarray(value)
     if isinstance(value, int | np.integer) and not isinstance(value, bool):
+        _python_count_in_range(value, name, max_name, max_value, "")
         value = np.asarray(value, np.int32)
     dtype = getattr(value, "dtype", None)
     shape = getattr(value, "shape", None)
-    if isinstance(value, list | tuple):
-        value = np.asarray(value)
-        dtype, shape = value.dtype, value.shape
     if dtype is None or shape is None:
         raise TypeError(f"`{name}` must be an integer array of shape (B,) or (), got {value!r}")
     if not jnp.issubdtype(dtype, jnp.integer) or np.dtype(dtype) == np.bool_:
@@ -197,6 +202,16 @@ def batch_counts_arg(
     if checked:
         value = runtime_range_check(value, name, max_name, max_value)
     return _clamp(value, max_value)
+
+
+def _python_count_in_range(value: Any, name: str, max_name: str, max_value: int,
+                           where: str) -> None:  # fmt: skip
+    """Raise if ``value``, a Python or NumPy int, lies outside ``[0, max_value]``."""
+    if isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_):
+        if not 0 <= int(value) <= max_value:
+            raise ValueError(
+                f"`{name}` must lie in [0, {max_name}] = [0, {max_value}], got {int(value)}{where}"
+            )
 
 
 def leading_axis(tree: Any, name: str, B: int | None, source: str = "depths") -> int:

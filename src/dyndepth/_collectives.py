@@ -35,7 +35,7 @@ def _names_in(jaxpr: Any, collectives_only: bool = False) -> set:
             value = eqn.params.get(param)
             values = value if isinstance(value, tuple | list) else (value,)
             names.update(v for v in values if isinstance(v, str))
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        for sub in _compat.jaxprs_in_params(eqn.params):
             names |= _names_in(sub, collectives_only)
     return names
 

@@ -20,12 +20,11 @@ fallback run instead of failing every loop. Each fallback and its cost (docs/lim
   them, a null context.
 - :func:`bind_equation` (bind a traced equation again inside ``shard_map``):
   ``Primitive.get_bind_params``; without it, a call's jaxpr is evaluated inline.
-- :func:`reverse_tracer_types` (is a loop differentiated inside an enclosing reverse pass?):
-  ``jax._src.interpreters.ad.LinearizeTracer`` and ``jax._src.interpreters.batching.BatchTracer``;
-  without them, never (reverse over reverse then raises the ``TypeError`` naming forward over
-  reverse).
 - :func:`lowered_for_export` (is the program lowered for ``jax.export``?): the lowering
   context's ``module_context.lowering_parameters.for_export``; without it, False.
+- :func:`trace_context` (the configuration a trace depends on, which JAX keys its own trace
+  caches on): ``jax._src.config.trace_context``; without it, the public configuration options
+  that change what a function traces to (:data:`TRACE_OPTIONS`).
 
 ``tests/test_compat.py`` hides each name and checks the loops against the references.
 """
@@ -33,7 +32,6 @@ fallback run instead of failing every loop. Each fallback and its cost (docs/lim
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -49,9 +47,8 @@ PRIVATE: dict[str, tuple[str, ...]] = {
     "eqn_mesh": ("ctx", "cur_abstract_mesh"),  # of a jaxpr equation
     "eqn_manager": ("ctx", "manager"),  # of a jaxpr equation
     "bind_params": ("get_bind_params",),  # of a primitive
-    "linearize_tracer": ("LinearizeTracer",),  # of jax._src.interpreters.ad
-    "batch_tracer": ("BatchTracer",),  # of jax._src.interpreters.batching
     "for_export": ("module_context", "lowering_parameters", "for_export"),  # of a ctx
+    "trace_context": ("trace_context",),  # of jax._src.config
 }
 
 
@@ -149,25 +146,54 @@ def bind_equation(eqn: Any, invals: list, rewrite: Callable[[dict], dict],
     return primitive.bind(*invals, **rewrite(dict(eqn.params)))
 
 
-def reverse_tracer_types() -> tuple[Any, Any]:
-    """``(LinearizeTracer, BatchTracer)``, JAX's tracer types of linearization and of ``vmap``,
-    for ``isinstance``; each ``()`` (matching nothing) when JAX lacks it."""
-
-    def tracer(module: str, name: str) -> Any:
-        try:
-            owner = importlib.import_module(module)
-        except ImportError:
-            return ()
-        found = _private(owner, name)
-        return found if isinstance(found, type) else ()
-
-    return (
-        tracer("jax._src.interpreters.ad", "linearize_tracer"),
-        tracer("jax._src.interpreters.batching", "batch_tracer"),
-    )
-
-
 def lowered_for_export(ctx: Any) -> bool:
     """Whether the program being lowered in ``ctx`` is lowered for ``jax.export``; False when
     the lowering context does not say."""
     return bool(_private(ctx, "for_export"))
+
+
+# The public options that change what a function traces to: the fallback of trace_context.
+TRACE_OPTIONS = (
+    "jax_enable_x64",
+    "jax_numpy_dtype_promotion",
+    "jax_numpy_rank_promotion",
+    "jax_default_matmul_precision",
+    "jax_default_prng_impl",
+    "jax_threefry_partitionable",
+    "jax_enable_checks",
+    "jax_debug_nans",
+    "jax_debug_infs",
+    "jax_disable_jit",
+)
+
+
+def trace_context() -> tuple:
+    """The configuration a function's trace depends on, hashable, as JAX keys its own trace
+    caches (``jit``'s) on it: every option set by ``jax.config.update`` or by a context manager
+    such as ``jax.default_matmul_precision`` or ``jax.numpy_rank_promotion``. Without JAX's own,
+    the values of :data:`TRACE_OPTIONS`."""
+    try:
+        from jax._src import config
+    except ImportError:  # pragma: no cover - depends on JAX's internals
+        config = None
+    read = _private(config, "trace_context")
+    if callable(read):
+        return read()
+    return tuple(getattr(jax.config, name, None) for name in TRACE_OPTIONS)
+
+
+def jaxprs_in_params(params: dict) -> list:
+    """The core jaxprs among an equation's parameters (a ``ClosedJaxpr``'s unwrapped, tuples of
+    them included): ``jax.extend.core.jaxprs_in_params`` where JAX has it (0.10 and later),
+    else the same walk here."""
+    public = getattr(jax.extend.core, "jaxprs_in_params", None)
+    if public is not None:
+        return list(public(params))
+    found = []
+    for value in params.values():
+        for v in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(v, jax.extend.core.ClosedJaxpr):
+                found.append(v.jaxpr)
+            elif isinstance(v, jax.extend.core.Jaxpr):
+                found.append(v)
+    return found

@@ -77,29 +77,46 @@ def backend_cost(platform: str | None = None) -> IterationCost:
 
 def set_iteration_cost(platform: str, cost: IterationCost | None) -> None:
     """Set the time model the scheduler uses on ``platform`` (``"cpu"``, ``"gpu"``, ``"cuda"``,
-    ``"rocm"``, ``"tpu"``, as ``jax.default_backend()`` names it), or restore the measured
-    default with ``None``.
+    ``"rocm"``, ``"tpu"``, or the name ``jax.default_backend()`` gives the backend in use), or
+    restore the measured default with ``None``.
 
     The model is read when a loop is traced for the default backend, so set it before the first
     call of a jitted function (one already compiled keeps its slot counts). A cost of
     ``IterationCost(fixed_seconds=0.0, flops_per_second=1.0, row_floor_seconds=1.0)`` makes the
     time rule minimize executed sample-steps; ``slots="work"`` does that with a bound.
 
-    Raises ``TypeError`` for a ``cost`` that is not an :class:`IterationCost`, ``ValueError`` for
-    negative or zero rates.
+    Raises ``TypeError`` for a ``cost`` that is not an :class:`IterationCost` (or a field that is
+    not a real number), ``ValueError`` for an unknown ``platform``, a NaN, infinite or negative
+    ``fixed_seconds`` or ``row_floor_seconds``, or a NaN, zero or negative rate
+    (``flops_per_second``, ``bytes_per_second``; infinite is allowed: that cost is left out).
     """
+    _check_platform(platform)
     if cost is None:
         BACKEND_COSTS[platform] = _DEFAULTS.get(platform, _GPU)
         return
     if not isinstance(cost, IterationCost):
         raise TypeError(f"`cost` must be a dyndepth.IterationCost or None, got {cost!r}")
-    if (cost.fixed_seconds < 0 or cost.flops_per_second <= 0 or cost.row_floor_seconds < 0
-            or not cost.bytes_per_second > 0):  # fmt: skip
-        raise ValueError(
-            f"`cost` needs fixed_seconds >= 0, flops_per_second > 0, row_floor_seconds >= 0 and "
-            f"bytes_per_second > 0, got {cost!r}"
-        )
+    for field, rate in (("fixed_seconds", False), ("row_floor_seconds", False),
+                        ("flops_per_second", True), ("bytes_per_second", True)):  # fmt: skip
+        _check_field(cost, field, rate)
     BACKEND_COSTS[platform] = cost
+
+
+def _check_platform(platform: Any) -> None:
+    known = sorted(set(_DEFAULTS) | {jax.default_backend()})
+    if not isinstance(platform, str) or platform not in known:
+        raise ValueError(f"`platform` must be one of {known}, got {platform!r}")
+
+
+def _check_field(cost: IterationCost, field: str, rate: bool) -> None:
+    """A time (finite, >= 0) or a rate (> 0, infinite allowed): else an error naming it."""
+    value = getattr(cost, field)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"`cost.{field}` must be a real number, got {value!r}")
+    if rate and not value > 0:
+        raise ValueError(f"`cost.{field}` must be > 0 (math.inf leaves it out), got {value!r}")
+    if not rate and not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"`cost.{field}` must be finite and >= 0, got {value!r}")
 
 
 # ----------------------------------------------------------------------------- step flops

@@ -19,6 +19,8 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from . import _compat
+
 __all__ = ["step_key"]
 
 
@@ -173,7 +175,7 @@ def mixed_draws(jaxpr: Any) -> tuple[str | None, list[bool]]:
     for eqn in reversed(jaxpr.eqns):
         impl = _draw_impl(eqn)
         if impl is None:
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            for sub in _compat.jaxprs_in_params(eqn.params):
                 impl = impl or mixed_draws(sub)[0]
         if impl is not None:
             found = impl

@@ -158,12 +158,16 @@ def repeat(
       strategy            transformations                             cost
       ==================  ==========================================  =========================
       ``"auto"``          jit, vmap, grad, vjp, jacrev, jvp, jacfwd,  forward and backward
-                          hessian (forward over reverse), reverse     follow ``depth``; under
-                          over forward; every order of vmap and       ``vmap`` with per-sample
-                          differentiation. Reverse over reverse       depths the per-sample
-                          (``grad(grad(f))``) and reverse over        scheduler: work close to
-                          forward differentiate the ``"masked"``      ``sum(depth)``
-                          loop (``max_depth`` steps)
+                          hessian; every order of vmap and            follow ``depth``; under
+                          differentiation, whatever stands between    ``vmap`` with per-sample
+                          them (``jit``, ``vjp``, ``lax.cond``,       depths the per-sample
+                          ``lax.scan``, ``jax.checkpoint``).          scheduler: work close to
+                          Forward over reverse (``hessian``) and      ``sum(depth)``
+                          reverse over forward follow ``depth``;
+                          reverse over reverse (``grad(grad(f))``)
+                          transposes the backward pass's
+                          derivative as the ``"masked"`` loop's
+                          (``max_depth`` steps)
       ``"checkpointed"``  as ``"auto"``                               as ``"auto"``, but under
                                                                       ``vmap`` the batch runs
                                                                       until its deepest sample
@@ -577,7 +581,8 @@ def repeat_batched(
 
     **Transformations:** jit, vmap (a batch of batches: the outer vmap masks), grad, vjp, jacrev,
     jvp, jacfwd, forward over reverse (``jax.hessian``), reverse over reverse (``grad(grad(f))``,
-    through the ``"masked"`` loop's derivative: ``max_depth`` steps, unscheduled).
+    a ``jit`` or ``lax`` control flow between the two or not: the backward pass's derivative
+    transposed as the ``"masked"`` loop's, ``max_depth`` steps, unscheduled).
 
     **Returns:** the batch of final carries (and the stats dict with ``return_stats``).
 

@@ -61,7 +61,10 @@ def _run(loop: Loop, consts, cconsts, init, xs, n, kd):
             carry, y = _vma.cond(live, step, lambda c: (list(c), zeros_y), carry)
         return (carry, live, steps + live.astype(jnp.int32)), y
 
-    init_state = (list(init), jnp.array(True), jnp.zeros((), jnp.int32))
+    # Made from the depth, typed like it: under vmap the state turns batched, and JAX's batching
+    # of a scan carry made from a constant fails on an Explicit mesh ("Resource axis ... not
+    # found in mesh: ()", jax 0.10).
+    init_state = (list(init), jnp.ones_like(n, bool), jnp.zeros_like(n, jnp.int32))
     T = loop.max_steps
     (carry, _, steps), ys = _vma.scan(body, init_state, jnp.arange(T, dtype=jnp.int32))
     return carry, list(ys), steps, stats_of(jnp.asarray(T, jnp.int32), 1)

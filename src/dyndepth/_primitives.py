@@ -1,13 +1,21 @@
 """The loop primitives and their transformation rules.
 
-Three primitives, each carrying the loop (:class:`dyndepth._step.Loop`) and its batch
+Four primitives, each carrying the loop (:class:`dyndepth._step.Loop`) and its batch
 structure (:class:`dyndepth._dispatch.Level`, what ``vmap`` added) as parameters:
 
 * ``loop_p``: the forward loop; with ``store`` it also returns what the backward pass needs
   (the carry before every step, checkpoints, stored residuals).
 * ``lin_p``: the tangent of the loop, linear in the tangents of the consts, ``init`` and ``xs``
   (the forward sweep of the jvp'd step: forward mode); its transpose is ``bwd_p``.
-* ``bwd_p``: the reverse sweep.
+* ``bwd_p``: the reverse sweep; it also carries the point the loop was differentiated at.
+* ``dbwd_p``: the tangent of ``bwd_p`` (second order), linear in the tangents of that point
+  and of the cotangents (:mod:`dyndepth._second_order`).
+
+Every derivative of these is again one of them or plain ``lax``: the tangent of a forward pass
+that stores is ``lin_p`` (what it stores gets a symbolic-zero tangent, which nothing reads),
+``dbwd_p`` is transposed and differentiated as the ``"masked"`` loop's same map. So every order
+of differentiation works whatever stands between two of them (``jit``, ``lax.cond``,
+``lax.scan``, ``jax.checkpoint``), with no need to know whether an outer reverse pass exists.
 
 Their operands and outputs travel as flat lists in the order :mod:`dyndepth._operands` names;
 every rule reads them (and a batch level's flags) through those layouts. Each primitive's rules
@@ -39,9 +47,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive, jaxpr_as_fun
 from jax.interpreters import ad, batching, mlir
-from jax.interpreters import partial_eval as pe
 
-from . import _batched, _compat, _dispatch, _masked, _per_device, _sharding, _vma
+from . import _batched, _dispatch, _per_device, _second_order, _sharding, _vma
 from ._derivative import Perturbed, const_order, jvp_loop, perturbation
 from ._dispatch import Batch, Level
 from ._keys import mixed_draws
@@ -58,13 +65,14 @@ from ._operands import (
     n_stored,
 )
 from ._residuals import residual_plan
+from ._second_order import AtPoint, TangentMask, TangentOperands, steps_flags
 from ._step import Loop
 
 loop_p = Primitive("dyndepth_loop")
 lin_p = Primitive("dyndepth_loop_tangent")
 bwd_p = Primitive("dyndepth_loop_transpose")
-guard_p = Primitive("dyndepth_no_reverse")
-for _p in (loop_p, lin_p, bwd_p, guard_p):
+dbwd_p = Primitive("dyndepth_loop_transpose_tangent")
+for _p in (loop_p, lin_p, bwd_p, dbwd_p):
     _p.multiple_results = True
 
 
@@ -76,13 +84,9 @@ def _forward_kernel(*ops, loop, batch, store, plan, pert):
 
 
 def _backward_kernel(*ops, loop, batch, pert, plan, use_ext):
-    bwd = BwdOperands.split(ops, loop, pert, plan)
-    out = Cotangents.split(_dispatch.backward(loop, batch, pert, plan, use_ext, bwd), pert)
-    # A const sharded over an Explicit axis other than the batch's (a tensor-parallel weight)
-    # was replicated into the per-device loops: its cotangent is typed back like it.
-    consts = take(bwd.consts, pert.consts)
-    typed = [_sharding.typed_like(g, c) for g, c in zip(out.consts, consts, strict=True)]
-    return dataclasses.replace(out, consts=typed).flat()
+    bwd = AtPoint.split(ops, loop, pert, plan).bwd
+    levels = _second_order.backward_levels(batch, loop, pert, plan)
+    return _second_order.backward(loop, levels, pert, plan, use_ext, bwd)
 
 
 def _tangent_kernel(*ops, loop, batch, pert, plan, keep, use_ext):
@@ -113,7 +117,7 @@ def _jvp_operands(loop: Loop, pert: Perturbed, lin: LinOperands) -> LoopOperands
 
 
 _KERNELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_KERNEL_FNS = {"loop": _forward_kernel, "bwd": _backward_kernel}
+_KERNEL_FNS = {"loop": _forward_kernel, "bwd": _backward_kernel, "dbwd": _second_order.kernel}
 
 
 def _kernel_jaxpr(kind: str, params: dict, avals: tuple, partitioned: bool = False):
@@ -148,8 +152,11 @@ def _state_axes(kind: str, params: dict, avals: tuple) -> _vma.StateAxes:
     device of that axis."""
     loop = params["loop"]
     step_out = loop.step_jaxpr.out_avals[: len(loop.carry_avals)]  # (the new carry)
+    if kind == "dbwd":  # (the forward and backward passes, recomputed: as the backward pass's)
+        split = TangentOperands.split(avals, loop, params["pert"], params["plan"], params["mask"])
+        return _state_axes("bwd", params, tuple(split.point.flat()))
     if kind == "bwd":
-        ops = BwdOperands.split(avals, loop, params["pert"], params["plan"])
+        ops = AtPoint.split(avals, loop, params["pert"], params["plan"]).bwd
         uneven, leaves = [ops.res.steps], [[b] for b in ops.res.stored.buf]
     else:
         ops = LoopOperands.split(avals, loop)
@@ -174,7 +181,10 @@ def _effects(loop: Loop) -> bool:
     return any(j.effects for j in jaxprs)
 
 
-def _register(prim: Primitive, kind: str):
+def _register(prim: Primitive, kind: str, partitions: bool = True):
+    """Abstract evaluation, lowering and eager evaluation through the kernel of ``kind``; with
+    ``partitions``, its batched loops take part in XLA's partitioning (one per device)."""
+
     def abstract_eval(*avals, **params):
         closed = _kernel_jaxpr(kind, params, tuple(avals))
         return closed.out_avals, closed.effects
@@ -185,7 +195,8 @@ def _register(prim: Primitive, kind: str):
         # A step with side effects (jax.debug.print, callbacks) runs unpartitioned: XLA's
         # partitioner cannot carry a host callback into the per-device calls (the process
         # crashed); the batch is then gathered, as for any unpartitioned operation.
-        partitioned = _per_device.lowering_for_devices(ctx) and not _effects(params["loop"])
+        partitioned = (partitions and _per_device.lowering_for_devices(ctx)
+                       and not _effects(params["loop"]))  # fmt: skip
         with _per_device.nested_lowering():
             closed = _kernel_jaxpr(kind, params, tuple(ctx.avals_in), partitioned)
             return mlir.lower_fun(jaxpr_as_fun(closed), multiple_results=True)(ctx, *ops)
@@ -213,14 +224,6 @@ def _eager(prim: Primitive, kernel):
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _steps_flags(loop: Loop, batch: Batch) -> list[bool]:
-    """Per level, whether the forward pass's ``steps`` output is batched there."""
-    return [
-        i > 0 or bool(LoopOperands.split(level.batched, loop).n) or loop.cond_jaxpr is not None
-        for i, level in enumerate(batch)
-    ]
 
 
 def _move(x, d):
@@ -281,7 +284,7 @@ def _loop_batch(args, dims, *, loop, batch, store, plan, pert):
     params["batch"] = batch + (level,)
     outs = loop_p.bind(*args, **params)
     nc, ny = len(loop.carry_avals), len(loop.y_avals)
-    steps_b = _steps_flags(loop, params["batch"])[-1]
+    steps_b = steps_flags(loop, params["batch"])[-1]
     # Everything gains the new axis but a shared step count, the statistics (summed over the
     # rows) and the stored-residual buffers (unfilled under a batch).
     stored = Stored([0] * nc, 0, [None] * n_stored(plan)) if store else None
@@ -295,36 +298,65 @@ def _zeros_for(outs):
 
 def _loop_jvp(primals, tangents, *, loop, batch, store, plan, pert):
     params = dict(loop=loop, batch=batch, store=store, plan=plan, pert=pert)
-    if store:
-        # Already a differentiated loop's forward pass (forward over reverse): forward mode
-        # through the kernel, and no reverse mode over it.
-        return _kernel_jvp(_forward_kernel, params, primals, tangents)
     nonzero = LoopOperands.split([type(t) is not ad.Zero for t in tangents], loop)
-    pert = perturbation(loop, nonzero.consts, nonzero.init, nonzero.xs)
-    if not pert.any:
+    perturbed = perturbation(loop, nonzero.consts, nonzero.init, nonzero.xs)
+    if store:
+        return _stored_jvp(primals, tangents, perturbed, params)
+    if not perturbed.any:
         outs = loop_p.bind(*primals, **params)
         return outs, _zeros_for(outs)
-    if loop.strategy != "while" and _under_reverse(primals):
-        return _masked_jvp(loop, batch, primals, tangents)
+    base, t_out = _linearized(loop, batch, primals, tangents, perturbed)
+    return base.flat(), t_out.flat()
+
+
+def _linearized(loop: Loop, batch: Batch, primals, tangents, pert: Perturbed,
+                stored: LoopOutputs | None = None,
+                plan=None) -> tuple[LoopOutputs, LoopOutputs]:  # fmt: skip
+    """The loop's outputs (what it stores left out) and their tangents: a forward pass that
+    stores what the backward pass needs (``stored``, with its ``plan``, where one is bound
+    already) and ``lin_p`` on it, whose transpose is the backward pass. ``"while"`` stores
+    nothing: its ``lin_p`` runs the jvp'd loop from ``init`` and has no transpose."""
     keep = loop.strategy != "while"
     ops = LoopOperands.split(primals, loop)
-    if keep and not batch:
-        kd = None if loop.keys is None else ops.kd
-        plan = _plan_for(loop, pert, ops.consts, ops.xs, kd)
-    outs = loop_p.bind(*primals, loop=loop, batch=batch, store=keep, plan=plan, pert=pert)
-    outs = LoopOutputs.split(outs, loop, keep, n_stored(plan))
+    if stored is None:
+        if keep and not batch:
+            kd = None if loop.keys is None else ops.kd
+            plan = _plan_for(loop, pert, ops.consts, ops.xs, kd)
+        outs = loop_p.bind(*primals, loop=loop, batch=batch, store=keep, plan=plan, pert=pert)
+        stored = LoopOutputs.split(outs, loop, keep, n_stored(plan))
     t = LoopOperands.split([ad.instantiate_zeros(t) for t in tangents], loop)
-    res = Residuals(outs.steps, outs.stored) if keep else None
+    res = Residuals(stored.steps, stored.stored) if keep else None
     lin = LinOperands(ops, res, take(t.consts, pert.consts), take(t.init, pert.carry),
                       take(t.xs, pert.xs))  # fmt: skip
     lin_batch = tuple(
         dataclasses.replace(lv, batched=_lin_flags(loop, pert, plan, keep, lv.batched, sb))
-        for lv, sb in zip(batch, _steps_flags(loop, batch), strict=True)
+        for lv, sb in zip(batch, steps_flags(loop, batch), strict=True)
     )
     t_out = lin_p.bind(*lin.flat(), loop=loop, batch=lin_batch, pert=pert, plan=plan, keep=keep,
                        use_ext=True)  # fmt: skip
-    base = dataclasses.replace(outs, stored=None)
-    return base.flat(), _tangents_out(loop, pert, base, Tangents.split(t_out, pert)).flat()
+    base = dataclasses.replace(stored, stored=None)
+    return base, _tangents_out(loop, pert, base, Tangents.split(t_out, pert))
+
+
+def _stored_jvp(primals, tangents, pert: Perturbed, params: dict):
+    """The jvp of a forward pass that stores (a differentiated loop's, differentiated again).
+
+    Its stored outputs get symbolic-zero tangents: only ``lin_p`` and ``bwd_p`` read them, and
+    neither reads their tangents (``lin_p`` runs the jvp'd loop from ``init``; the derivative of
+    ``bwd_p`` recomputes from the loop's operands, :mod:`dyndepth._second_order`). The carry's
+    and ys' tangents are the first derivative's, ``lin_p``, whose transpose is a backward pass:
+    reverse mode over this costs what the depth costs."""
+    loop, batch, plan = params["loop"], params["batch"], params["plan"]
+    outs = loop_p.bind(*primals, **params)
+    zeros = LoopOutputs.split(_zeros_for(outs), loop, True, n_stored(plan))
+    if not pert.any:
+        return outs, zeros.flat()
+    # The bound pass stores what these tangents' backward pass needs when it was planned for
+    # them; otherwise a pass planned for them.
+    same = pert == params["pert"]
+    stored = LoopOutputs.split(outs, loop, True, n_stored(plan)) if same else None
+    _, t_out = _linearized(loop, batch, primals, tangents, pert, stored, plan if same else None)
+    return outs, dataclasses.replace(t_out, stored=zeros.stored).flat()
 
 
 def _tangents_out(loop: Loop, pert: Perturbed, base: LoopOutputs, t: Tangents) -> LoopOutputs:
@@ -350,57 +382,6 @@ def _plan_for(loop: Loop, pert: Perturbed, consts, xs, kd):
     if key not in table:
         table[key] = residual_plan(loop, pert, consts, xs, kd)
     return table[key]
-
-
-def _under_reverse(primals) -> bool:
-    """Whether the loop is differentiated inside an enclosing reverse-mode differentiation
-    (``jax.grad`` of a function that differentiates the loop): some primal, seen through
-    ``vmap``'s tracers, is being linearized. (Without JAX's private tracer types, False: the
-    second reverse pass then raises the TypeError of :func:`_guard_transpose`.)"""
-    linearize_tracer, batch_tracer = _compat.reverse_tracer_types()
-    for x in primals:
-        while isinstance(x, batch_tracer):
-            x = x.val
-        if isinstance(x, linearize_tracer):
-            return True
-        if isinstance(x, ad.JVPTracer) and isinstance(x.tangent, pe.JaxprTracer):
-            return True  # (linearize as jvp + partial evaluation)
-    return False
-
-
-def _masked_jvp(loop: Loop, batch: Batch, primals, tangents):
-    """The loop's jvp as the ``"masked"`` loop's (plain ``lax``: ``max_steps`` steps, every
-    derivative of every order JAX's own), for a loop differentiated under an enclosing reverse
-    mode: reverse over reverse. ``vmap`` levels already applied are mapped again here."""
-
-    def one(*flat):
-        ops = LoopOperands.split(flat, loop)
-        kd = None if loop.keys is None else ops.kd
-        carry, ys, steps, _ = _masked._run(loop, ops.consts, ops.cconsts, ops.init, ops.xs,
-                                           ops.n, kd)  # fmt: skip
-        return list(carry), list(ys), steps
-
-    fn = one
-    for level in batch:  # innermost first: its vmap is the innermost
-        fn = jax.vmap(fn, in_axes=[0 if b else None for b in level.batched], axis_size=level.size)
-    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
-    (carry, ys, steps), (t_carry, t_ys, _) = jax.jvp(fn, tuple(primals), tangents)
-    if batch and not _steps_flags(loop, batch)[0]:
-        steps = steps[..., 0]  # a depth shared by the innermost level's rows: one count
-    rows = 1
-    for level in batch:
-        rows = rows * level.size
-    stats = _batched.stats_of(jnp.asarray(loop.max_steps, jnp.int32), rows)
-    base = LoopOutputs(carry, ys, steps, stats)
-    zeros = LoopOutputs.split(_zeros_for(base.flat()), loop, False)
-
-    def floats(ts, zs):  # an integer leaf's tangent is a symbolic zero
-        return [t if jnp.issubdtype(t.dtype, jnp.inexact) else z
-                for t, z in zip(ts, zs, strict=True)]  # fmt: skip
-
-    t_out = LoopOutputs(floats(t_carry, zeros.carry), floats(t_ys, zeros.ys), zeros.steps,
-                        zeros.stats)  # fmt: skip
-    return base.flat(), t_out.flat()
 
 
 def _lin_flags(loop: Loop, pert: Perturbed, plan, keep: bool, loop_flags, steps_b: bool) -> tuple:
@@ -466,8 +447,9 @@ def _lin_transpose(cts, *ops, loop, batch, pert, plan, keep, use_ext):
         raise TypeError(_REVERSE_MSG)
     lin = LinOperands.split(ops, loop, pert, plan, keep)
     cts = Tangents.split([ad.instantiate_zeros(c) for c in cts], pert)
-    bwd = BwdOperands(lin.primal.consts, lin.primal.xs, lin.primal.kd, lin.res, cts.carry,
-                      cts.ys)  # fmt: skip
+    p = lin.primal
+    bwd = AtPoint(BwdOperands(p.consts, p.xs, p.kd, lin.res, cts.carry, cts.ys), p.cconsts,
+                  p.init, p.n)  # fmt: skip
     bwd_batch = tuple(
         Level(lv.size, _bwd_flags(loop, pert, plan, lv.batched), reduce=True) for lv in batch
     )
@@ -498,9 +480,10 @@ def _bwd_flags(loop: Loop, pert: Perturbed, plan, lin_flags) -> tuple:
     """A level's batching flags for ``bwd_p``'s operands, from ``lin_p``'s: the cotangents are
     batched at every level."""
     f = LinOperands.split(lin_flags, loop, pert, plan, keep=True)
-    bwd = BwdOperands(f.primal.consts, f.primal.xs, f.primal.kd, f.res, [True] * sum(pert.carry),
+    p = f.primal
+    bwd = BwdOperands(p.consts, p.xs, p.kd, f.res, [True] * sum(pert.carry),
                       [True] * sum(pert.ys))  # fmt: skip
-    return tuple(bwd.flat())
+    return tuple(AtPoint(bwd, p.cconsts, p.init, p.n).flat())
 
 
 lin_p.def_abstract_eval(_lin_abstract_eval)
@@ -520,7 +503,7 @@ def _bwd_batch(args, dims, *, loop, batch, pert, plan, use_ext):
         outs = _one_at_a_time(bwd_p, args, dims, params)
         return outs, [0] * len(outs)
     flags = tuple(d is not None for d in dims)
-    if BwdOperands.split(flags, loop, pert, plan).res.stored.stride:
+    if AtPoint.split(flags, loop, pert, plan).bwd.res.stored.stride:
         use_ext = False  # the forward pass ran batched here: its residual buffers are empty
     level = Level(_size(args, dims), flags, reduce=False)
     args = [_move(x, d) for x, d in zip(args, dims, strict=True)]
@@ -529,14 +512,84 @@ def _bwd_batch(args, dims, *, loop, batch, pert, plan, use_ext):
     return outs, [0] * len(outs)
 
 
-def _bwd_jvp(primals, tangents, **params):
-    return _kernel_jvp(_backward_kernel, params, primals, tangents)
+def _bwd_jvp(primals, tangents, *, loop, batch, pert, plan, use_ext):
+    """The backward pass's tangent: ``dbwd_p``, the derivative of the loop's vjp at the point
+    ``bwd_p`` carries, the residuals' tangents unread (see :mod:`dyndepth._second_order`)."""
+    outs = bwd_p.bind(*primals, loop=loop, batch=batch, pert=pert, plan=plan, use_ext=use_ext)
+    at = AtPoint.split(primals, loop, pert, plan)
+    t = AtPoint.split(tangents, loop, pert, plan)
+    x, t_x = at.loop_operands(), t.loop_operands()
+
+    def live(ps, ts):  # (a float leaf whose tangent is not a symbolic zero)
+        return tuple(type(d) is not ad.Zero and jnp.issubdtype(jax.typeof(v).dtype, jnp.inexact)
+                     for v, d in zip(ps, ts, strict=True))  # fmt: skip
+
+    mask = TangentMask(live(x.consts, t_x.consts), live(x.init, t_x.init), live(x.xs, t_x.xs))
+    t_ct = [*t.bwd.ct_carry, *t.bwd.ct_ys]
+    if not (any(mask.consts + mask.init + mask.xs) or any(type(c) is not ad.Zero for c in t_ct)):
+        return outs, _zeros_for(outs)
+
+    def tangent_ops(p, d, ct):  # (for the tangents and for a level's flags alike)
+        dx = d.loop_operands()
+        return TangentOperands(p, take(dx.consts, mask.consts), take(dx.init, mask.init),
+                               take(dx.xs, mask.xs), ct.bwd.ct_carry, ct.bwd.ct_ys)  # fmt: skip
+
+    zi = AtPoint.split([ad.instantiate_zeros(d) for d in tangents], loop, pert, plan)
+    ops = tangent_ops(at, zi, zi)
+    levels = []
+    for lv in batch:
+        f = AtPoint.split(lv.batched, loop, pert, plan)
+        levels.append(dataclasses.replace(lv, batched=tuple(tangent_ops(f, f, f).flat())))
+    t_out = dbwd_p.bind(*ops.flat(), loop=loop, batch=tuple(levels), pert=pert, plan=plan,
+                        mask=mask)  # fmt: skip
+    return outs, t_out
 
 
 _register(bwd_p, "bwd")
 batching.primitive_batchers[bwd_p] = _bwd_batch
 ad.primitive_jvps[bwd_p] = _bwd_jvp
 _per_device.needs_devices_when_lowered(loop_p, bwd_p)
+
+
+# ----------------------------------------------------------------------------- dbwd_p rules
+# The backward pass's tangent: evaluated by forward mode through the kernels, transposed and
+# differentiated as the "masked" loop's same map (see dyndepth._second_order).
+
+
+def _dbwd_batch(args, dims, *, loop, batch, pert, plan, mask):
+    params = dict(loop=loop, batch=batch, pert=pert, plan=plan, mask=mask)
+    if not _per_sample_draws(loop):
+        outs = _one_at_a_time(dbwd_p, args, dims, params)
+        return outs, [0] * len(outs)
+    level = Level(_size(args, dims), tuple(d is not None for d in dims), reduce=False)
+    args = [_move(x, d) for x, d in zip(args, dims, strict=True)]
+    outs = dbwd_p.bind(*args, **dict(params, batch=batch + (level,)))
+    return outs, [0] * len(outs)
+
+
+def _dbwd_transpose(cts, *ops, loop, batch, pert, plan, mask):
+    params = dict(loop=loop, batch=batch, pert=pert, plan=plan, mask=mask)
+    n_point = len(TangentOperands.split(ops, loop, pert, plan, mask).point.flat())
+    point, tangents = list(ops[:n_point]), ops[n_point:]
+    if any(ad.is_undefined_primal(o) for o in point):
+        raise ValueError("dbwd_p is linear in its tangents only")  # (JAX's rules never do it)
+    undefined = [ad.is_undefined_primal(t) for t in tangents]
+    at = [ad.instantiate_zeros(ad.Zero(t.aval)) if u else t
+          for t, u in zip(tangents, undefined, strict=True)]  # fmt: skip
+    _, pull = jax.vjp(lambda *t: _second_order.masked(*point, *t, **params), *at)
+    grads = pull([ad.instantiate_zeros(c) for c in cts])
+    return [None] * n_point + [g if u else None for g, u in zip(grads, undefined, strict=True)]
+
+
+def _dbwd_jvp(primals, tangents, **params):
+    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+    return jax.jvp(lambda *ops: _second_order.masked(*ops, **params), tuple(primals), tangents)
+
+
+_register(dbwd_p, "dbwd", partitions=False)
+batching.primitive_batchers[dbwd_p] = _dbwd_batch
+ad.primitive_jvps[dbwd_p] = _dbwd_jvp
+ad.primitive_transposes[dbwd_p] = _dbwd_transpose
 
 
 # ----------------------------------------------------------------------------- no reverse
@@ -547,41 +600,6 @@ _REVERSE_MSG = (
     '(grad, vjp, jacrev) needs strategy="checkpointed" (or "auto", which picks it), whose '
     "forward and backward cost both follow the steps actually taken."
 )
-_SECOND_ORDER_MSG = (
-    "reverse mode over a dyndepth loop's derivative (jax.grad of jax.grad, jax.grad of a vjp) "
-    'is not supported for strategy="auto"/"checkpointed"; use forward over reverse '
-    '(jax.jacfwd(jax.grad(f)), jax.hessian, jax.jvp of jax.grad) or strategy="masked".'
-)
-
-
-def _kernel_jvp(kernel, params, primals, tangents):
-    """Forward mode through a kernel (plain JAX loops), its tangents marked as not
-    reverse-differentiable (with a clear error)."""
-    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
-    outs, t_outs = jax.jvp(lambda *ops: kernel(*ops, **params), tuple(primals), tangents)
-    floats = [i for i, t in enumerate(t_outs) if jnp.issubdtype(t.dtype, jnp.inexact)]
-    guarded = guard_p.bind(*[t_outs[i] for i in floats]) if floats else []
-    t_outs = list(t_outs)
-    for i, g in zip(floats, guarded, strict=True):
-        t_outs[i] = g
-    return outs, [t if i in floats else ad.Zero(jax.typeof(o).to_tangent_aval())
-                  for i, (t, o) in enumerate(zip(t_outs, outs, strict=True))]  # fmt: skip
-
-
-def _guard_transpose(cts, *args):
-    raise TypeError(_SECOND_ORDER_MSG)
-
-
-guard_p.def_impl(lambda *xs: list(xs))
-guard_p.def_abstract_eval(lambda *avals: list(avals))
-mlir.register_lowering(guard_p, mlir.lower_fun(lambda *xs: list(xs), multiple_results=True))
-batching.primitive_batchers[guard_p] = lambda args, dims: (guard_p.bind(*args), list(dims))
-ad.primitive_jvps[guard_p] = lambda primals, tangents: (
-    guard_p.bind(*primals),
-    guard_p.bind(*[ad.instantiate_zeros(t) for t in tangents]),
-)
-
-ad.primitive_transposes[guard_p] = _guard_transpose
 
 
 # ----------------------------------------------------------------------------- binding

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _sharding, _vma
+from . import _compat, _sharding, _vma
 from ._checks import same_structure
 from ._keys import KeySchedule, is_typed_key
 from ._leaves import Leaves
@@ -489,8 +489,10 @@ def _aval_key(x: Any) -> Any:
 
 
 def _context() -> Any:
-    return (jax.sharding.get_abstract_mesh(), jax.config.jax_enable_x64,
-            jax.config.jax_numpy_dtype_promotion)  # fmt: skip
+    """What a traced step depends on besides its inputs: the mesh and every configuration
+    option JAX keys its own traces on (x64, dtype and rank promotion, the default matmul
+    precision, ...): a step traced under one is not reused under another."""
+    return (jax.sharding.get_abstract_mesh(), _compat.trace_context())
 
 
 def _check_scalar_output(out: Any, name: str, kind: str, dtype_ok: Callable) -> None:

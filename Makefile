@@ -43,7 +43,7 @@ $(FLOOR_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(FLOOR_VENV)
 	$(FLOOR_VENV)/bin/python -m pip install -q --upgrade pip
 	$(FLOOR_VENV)/bin/python -m pip install -q "jax==$(JAX_FLOOR)" "jaxlib==$(JAX_FLOOR)" \
-		pytest pytest-xdist hypothesis -e .
+		pytest pytest-xdist hypothesis equinox -e .
 	touch $@
 
 test-floor: $(FLOOR_VENV)/.installed

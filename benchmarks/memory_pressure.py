@@ -13,9 +13,9 @@ B=64, ``max_depth`` 1024: storing every carry would take 512 MiB, and two copies
 Printed: run time (best of ``--rounds`` interleaved rounds), compile time (lower + compile,
 median of ``--repeats`` distinct programs), XLA's temp memory, useful sample-steps
 (``sum(depth)``), executed forward sample-steps (``return_stats`` of ``repeat_batched``, the
-same loop), executed backward sample-steps (see ``executed_backward_sample_steps``: "n/a" until
-``return_stats`` reports them), and #38's "Done when" ratios: uniform / all 512 (target <=
-0.65x), uniform / checkpoint + scan (target <= 0.8x), temp memory within the 512 MiB budget.
+same loop), executed backward sample-steps and carries stored per sample (the same stats), and
+#38's "Done when" ratios: uniform / all 512 (target <= 0.65x), uniform / checkpoint + scan
+(target <= 0.8x), temp memory within the 512 MiB budget.
 
 How to run (from the repository root)::
 
@@ -63,7 +63,7 @@ def scan_loss(scale):
 
 def loop_stats(W, xs, ds) -> dict:
     """``return_stats`` of the same loop (``repeat_batched`` is ``vmap(repeat)``), taken from a
-    value_and_grad so that stats the backward pass may report one day are there."""
+    value_and_grad: the backward pass's work and the carries stored per sample are there."""
 
     def loss(W):
         out, stats = dd.repeat_batched(step(W), xs, ds, max_depth=MAX_DEPTH, return_stats=True)
@@ -71,18 +71,6 @@ def loop_stats(W, xs, ds) -> dict:
 
     (_, stats), _ = jax.jit(jax.value_and_grad(loss, has_aux=True))(W)
     return stats
-
-
-# ---- the place for the backward pass's stats (#38): None until return_stats reports them ----
-def executed_backward_sample_steps(stats: dict) -> int | None:
-    """Executed backward sample-steps (rows the backward loop ran the step's vjp on, recompute
-    included) from a loop's ``return_stats``, or ``None`` where the stats do not report them
-    (today: they describe the forward loop only). Reads any key naming backward executed
-    sample-steps, so that it needs no change when the library adds one."""
-    for key, value in stats.items():
-        if ("backward" in key or "bwd" in key) and "executed" in key and jnp.ndim(value) == 0:
-            return int(value)
-    return None
 
 
 def main() -> None:
@@ -116,17 +104,18 @@ def main() -> None:
     sec = best_seconds(calls, rounds, warm_up=not a.quick)
     rows, stats = [], {}
     for name, (_, ds) in programs.items():
-        fwd = bwd = "n/a"
+        fwd = bwd = stored = "n/a"
         if name == "checkpoint + scan":
             fwd = bwd = B * DEEP
         elif name == "uniform" or not a.quick:  # each a compile of its own: quick skips one
             stats[name] = loop_stats(W, xs, ds)
             fwd = int(stats[name]["executed_sample_steps"])
-            bwd = executed_backward_sample_steps(stats[name])
-        rows.append([name, int(ds.sum()), fwd, "n/a" if bwd is None else bwd,
+            bwd = int(stats[name]["backward_executed_sample_steps"])
+            stored = int(stats[name]["stored_carries"])
+        rows.append([name, int(ds.sum()), fwd, bwd, stored,
                      f"{1e3 * sec[name]:.0f}", f"{comp[name]:.2f}",
                      f"{temp_mib(compiled[name]):.1f}"])  # fmt: skip
-    print(table(["program", "useful sample-steps", "executed fwd", "executed bwd",
+    print(table(["program", "useful sample-steps", "executed fwd", "executed bwd", "stored carries",
                  "value_and_grad ms", "compile s", "temp MiB"], rows))  # fmt: skip
     temp = temp_mib(compiled["uniform"])
     within = "within" if temp <= BUDGET_MIB else "over"
@@ -136,10 +125,12 @@ def main() -> None:
           f"{sec['uniform'] / sec['checkpoint + scan']:.2f}x (target <= 0.8); uniform temp "
           f"memory {temp:.1f} MiB ({within} the {BUDGET_MIB} MiB budget); best of {rounds} "
           f"round(s){warm}, compile median of {repeats}")  # fmt: skip
-    extra = sorted(set(stats["uniform"]) - {"iterations", "executed_sample_steps",
-                   "useful_sample_steps", "per_device_executed_sample_steps",
-                   "per_device_useful_sample_steps"})  # fmt: skip
-    print(f"return_stats keys beyond the forward loop's: {', '.join(extra) or 'none'}")
+    u = stats["uniform"]
+    print(
+        f"uniform: backward executed sample-steps {int(u['backward_executed_sample_steps'])} "
+        f"against sum(depth) {int(uniform.sum())} (at most 2x with recompute), "
+        f"{int(u['stored_carries'])} carries stored per sample"
+    )
 
 
 if __name__ == "__main__":

@@ -303,25 +303,71 @@ def test_while_loop_step_evaluations_match_its_docstring():
     assert counter.run(jax.jit(jax.grad(vloss)), X[None]) == 2 * steps
 
 
-@pytest.mark.parametrize(
-    ("shape", "length"),
-    [((4,), 100), ((4,), 10**6), ((64,), 10**6), ((512, 64), 4096), ((4096, 16), 10**5)],
-)
-def test_bounded_checkpoints_fit_the_budget(shape, length):
-    from dyndepth._budget import STORED_CARRY_BUDGET, bounded_checkpoints, recompute_slots
+@pytest.mark.parametrize("length", [100, 4096, 10**5, 10**6])
+def test_fewest_held_is_the_least_memory(length):
+    from dyndepth._budget import fewest_held, recompute_slots
 
-    carry_bytes = int(np.prod(shape)) * 4
-    k = bounded_checkpoints(carry_bytes, length)
-    if 2 * length * carry_bytes <= STORED_CARRY_BUDGET:
-        assert k is None
-        return
-    # Over budget: the fewest carries held (checkpoints and recompute buffers), by brute force.
+    k = fewest_held(length)
+    # The fewest carries held (checkpoints and recompute buffers), by brute force.
     held = {}
     for e in range(length.bit_length() + 1):
         checkpoints = -(-length // 2**e)
         held.setdefault(checkpoints, checkpoints + sum(recompute_slots(2**e)))
     assert held[k] == min(held.values()) and k == max(c for c, h in held.items() if h == held[k])
     assert held[k] <= 4 * round(length ** (1 / 3)) + 4
+
+
+def _traced_loop(width: int, matmuls: int, max_depth: int):
+    """The Loop dyndepth traces for a step of ``matmuls`` (width x width) products on a
+    (width,) float32 carry."""
+    from dyndepth._trace import StepKind, trace_loop
+
+    W = jnp.eye(width)
+
+    def step(c):
+        for _ in range(matmuls):
+            c = jnp.tanh(c @ W)
+        return c
+
+    kind = StepKind(with_x=False, with_key=False, with_stacked=False, returns_y=False)
+    traced = trace_loop(
+        kind, step, None, jnp.zeros(width), None, None, None, None,
+        max_steps=max_depth, checkpoints=None, strategy="auto", slots=None,
+    )  # fmt: skip
+    return traced.loop
+
+
+@pytest.mark.parametrize(
+    ("width", "matmuls", "rows", "max_depth", "platform"),
+    [(16, 1, 64, 100, "cpu"), (16, 1, 4096, 10**5, "cpu"), (16, 1, 4096, 10**5, "gpu"),
+     (2048, 8, 64, 1024, "cpu"), (2048, 8, 4096, 4096, "gpu"), (2048, 1, 1, 30, "cpu")],
+)  # fmt: skip
+def test_checkpoints_use_the_budget(width, matmuls, rows, max_depth, platform):
+    """``checkpoints=None`` stores every carry while two copies fit the budget, else as many
+    as fit (at least the fewest-memory count), and where writing a carry costs more than
+    recomputing it at most SMALL_STORE; the stored bytes stay within the budget."""
+    from conftest import TEST_COST
+
+    from dyndepth import _budget
+
+    loop = _traced_loop(width, matmuls, max_depth)
+    dd.set_iteration_cost("cpu", None)  # (the suite's own cost counts every step as free)
+    try:
+        k = _budget.checkpoints_for(loop, rows, platform)
+        cheap = _budget._recompute_is_cheaper(loop, width * 4, platform)
+    finally:
+        dd.set_iteration_cost("cpu", TEST_COST)
+    carry = width * 4
+    fits = _budget.DEFAULT_BUDGET // (2 * rows * carry)
+    bound = min(fits, _budget.SMALL_STORE) if cheap else fits
+    if max_depth <= bound:
+        assert k is None
+    else:
+        assert k == max(bound, _budget.fewest_held(max_depth))
+        if bound >= _budget.fewest_held(max_depth):
+            assert 2 * rows * k * carry <= _budget.DEFAULT_BUDGET
+    # a tiny step on the CPU: recomputing is the cheaper; the GPU's memory is written at speed
+    assert cheap == (platform == "cpu" and matmuls == 1 and width == 16)
 
 
 @pytest.mark.parametrize(
@@ -364,7 +410,7 @@ def test_stored_carries_are_budgeted_for_the_whole_batch():
     """value_and_grad of vmap(repeat) at B=4096, max_depth=100,000, depth 3, a 16-float carry:
     the stored carries of the whole batch fit the budget (the budget per sample compiled to
     24 GiB of temporary memory); values and gradients equal a plain loop's."""
-    from dyndepth._budget import STORED_CARRY_BUDGET
+    from dyndepth._budget import DEFAULT_BUDGET
 
     B = 4096
     W = jax.random.normal(jax.random.PRNGKey(0), (16, 16)) * 0.3
@@ -383,14 +429,14 @@ def test_stored_carries_are_budgeted_for_the_whole_batch():
 
     compiled = jax.jit(jax.value_and_grad(loss)).lower(W, xs).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
-    assert temp < 2**30 and temp < 2 * STORED_CARRY_BUDGET, temp
+    assert temp < 2**30 and temp < 2 * DEFAULT_BUDGET, temp
     tree_allclose(compiled(W, xs), jax.value_and_grad(plain)(W, xs), rtol=1e-4)
 
 
 @pytest.mark.parametrize("batched", [False, True])
 def test_a_huge_max_depth_does_not_allocate_max_depth_carries(batched):
     """max_depth=10**6, depth 5: the default switches to bounded checkpointing by itself."""
-    from dyndepth._budget import STORED_CARRY_BUDGET
+    from dyndepth._budget import DEFAULT_BUDGET
 
     W = jnp.eye(64) * 0.5
 
@@ -405,7 +451,7 @@ def test_a_huge_max_depth_does_not_allocate_max_depth_carries(batched):
     d = jnp.array([5, 3]) if batched else jnp.array(5)
     compiled = jax.jit(jax.value_and_grad(loss)).lower(x, d).compile()
     # the budget is the whole loop's, the batch included
-    assert compiled.memory_analysis().temp_size_in_bytes < STORED_CARRY_BUDGET + 2**20
+    assert compiled.memory_analysis().temp_size_in_bytes < DEFAULT_BUDGET + 2**20
     value, grad = compiled(x, d)
 
     def plain(x):

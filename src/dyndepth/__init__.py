@@ -7,6 +7,8 @@ Loops whose forward and backward cost follow the depth actually run, under ``jit
 from importlib.metadata import PackageNotFoundError, version
 
 from . import nn as nn
+from ._budget import set_stored_carry_budget as set_stored_carry_budget
+from ._budget import stored_carry_budget_scope as stored_carry_budget_scope
 from ._calibrate import measure_iteration_cost as measure_iteration_cost
 from ._cost import IterationCost as IterationCost
 from ._cost import set_iteration_cost as set_iteration_cost
@@ -28,6 +30,8 @@ __all__ = [
     "repeat_batched",
     "scan",
     "set_iteration_cost",
+    "set_stored_carry_budget",
     "step_key",
+    "stored_carry_budget_scope",
     "while_loop",
 ]

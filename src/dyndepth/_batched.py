@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import _sharding, _vma
+from . import _sharding, _store, _vma
 from ._budget import recompute_slots
 from ._derivative import Perturbed
 from ._leaves import (
@@ -30,18 +30,23 @@ from ._leaves import (
 )
 from ._step import Loop
 
+# A loop's stats: forward iterations and executed sample-steps, the backward pass's (zero
+# without one), and the carries stored per sample.
+STATS_WIDTH = 5
+_LONGEST = jnp.array([True, False, True, False, True])
 
-def stats_of(iterations, rows):
-    """``[loop iterations, executed sample-steps]`` as an int32 vector."""
-    return jnp.stack([iterations, iterations * rows]).astype(jnp.int32)
+
+def stats_of(iterations, rows, backward=(0, 0), stored=0):
+    """The stats vector: ``[iterations, iterations x rows, *backward, stored]`` (int32)."""
+    return jnp.stack([iterations, iterations * rows, *backward, stored]).astype(jnp.int32)
 
 
 def merge_stats(stats, across):
     """Stats of loops run side by side (a stacked leading axis, and ``across`` devices): the
-    longest loop, the sum of executed steps."""
-    stats = stats.reshape(-1, 2)
-    iterations = across.max(jnp.max(stats[:, 0]))
-    return jnp.stack([iterations, across.sum(jnp.sum(stats[:, 1]))])
+    longest loop (and the most carries stored), the sum of executed steps."""
+    stats = stats.reshape(-1, STATS_WIDTH)
+    longest = across.max(jnp.max(stats, axis=0))
+    return jnp.where(_LONGEST, longest, across.sum(jnp.sum(stats, axis=0)))
 
 
 # ----------------------------------------------------------------------------- backward
@@ -123,7 +128,7 @@ def backward(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, steps, ct
     over the rows, or per row with ``per_row``)."""
     buf, stride = res
     B = steps.shape[0]
-    S = loop.segment
+    S = _store.max_stride(loop)
     vstep = loop.vstep(c_axes, B)
     nseg = (steps + stride - 1) // stride
     rounds = jnp.max(nseg)
@@ -172,6 +177,34 @@ def backward(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, steps, ct
 
     out = _vma.while_loop(lambda s: s["r"] < rounds, segment_body, state)
     return out["acc"], out["ct"], out["ct_xs"]
+
+
+def backward_iterations(loop: Loop, steps: jax.Array, stride: jax.Array) -> jax.Array:
+    """The loop iterations :func:`backward` runs (each over every row), its loops counted as
+    they run: per segment round, one vjp (stride 1), or the recompute then the unwind of the
+    round's longest segment, in two levels for long ones."""
+    S = _store.max_stride(loop)
+    nseg = (steps + stride - 1) // stride
+    rounds = jnp.arange(loop.slots_stored)
+    j = nseg[None, :] - 1 - rounds[:, None]  # (round, row): the segment each row undoes
+    length = jnp.where(j >= 0, jnp.minimum(stride, steps - jnp.maximum(j, 0) * stride), 0)
+    played = rounds < jnp.max(nseg, initial=0)
+    if S == 1:
+        return jnp.sum(played.astype(jnp.int32))
+    inner, sub = recompute_slots(S)
+    if not sub:
+        return jnp.sum(jnp.where(played, _unwound(jnp.max(length, axis=1)), 0))
+    nsub = (length + inner - 1) // inner
+    first = jnp.max((nsub - 1) * inner, axis=1)  # the sub-checkpoints' recompute
+    q = jnp.arange(S // inner)[:, None, None]
+    sub_len = jnp.clip(length[None] - q * inner, 0, inner)
+    subs = jnp.where(q[:, :, 0] < jnp.max(nsub, axis=1)[None], _unwound(jnp.max(sub_len, 2)), 0)
+    return jnp.sum(jnp.where(played, jnp.maximum(first, 0) + jnp.sum(subs, axis=0), 0))
+
+
+def _unwound(tmax: jax.Array) -> jax.Array:
+    """Iterations of :func:`_recompute_and_unwind` over a longest segment of ``tmax``."""
+    return jnp.where(tmax > 0, 2 * tmax - 1, 0)
 
 
 def _recompute(vstep, loop: Loop, consts, xs, kd, start, length, c0, buf, every: int, upto):

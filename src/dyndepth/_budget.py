@@ -2,27 +2,87 @@
 
 With ``checkpoints=None`` the forward pass stores the carry before every step, ``max_steps``
 carries per sample, as long as the whole loop's buffer (every sample of the batch, every level
-of ``vmap``) fits :data:`STORED_CARRY_BUDGET`; above it, a bounded number of checkpoints per
-sample, so that a generous ``max_steps`` with small depths never allocates gigabytes. The batch
-is only known when a batched loop runs (a batching rule added it), so the budget is applied
-there: :func:`fitted` gives the loop a kernel runs, and :func:`matching` the loop whose
-backward pass reads a buffer the forward pass stored.
+of ``vmap``) fits the budget (:func:`stored_carry_budget`, 512 MiB unless set); above it, as many
+carries per sample as the budget holds, the backward pass recomputing the others (one more
+forward step per step it does not store). The batch is only known when a batched loop runs (a
+batching rule added it), so the budget is applied there: :func:`fitted` gives the loop a kernel
+runs, and :func:`matching` the loop whose backward pass reads a buffer the forward pass stored.
+
+Where writing a carry to fresh memory costs more than recomputing it (the CPU, for a step of
+few operations per byte of carry: memory a program touches for the first time is written at
+page-fault speed there), a loop stores at most :data:`SMALL_STORE` carries per sample whatever
+the budget, so that a generous ``max_steps`` costs neither memory nor time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
+import jax
 import numpy as np
 
+from . import _cost
 from ._step import Loop
 
 # Bytes one loop's stored carries may take with ``checkpoints=None``, its batch included, counting
-# the two copies the compiled backward pass may hold.
-STORED_CARRY_BUDGET = 512 * 2**20
+# the two copies the compiled backward pass may hold (it writes recomputed carries into its own).
+DEFAULT_BUDGET = 512 * 2**20
+_budget = [DEFAULT_BUDGET]
+
+# How fast a backend writes memory a program touches for the first time: on the project's CPU
+# machine about 1.3 GB/s (benchmarks/max_depth.py: 26 MiB of stored carries fill in 20 ms);
+# accelerators write their memory at its bandwidth (taken as free here).
+FRESH_BYTES_PER_SECOND = {"cpu": 1.3e9}
+# Carries per sample a loop stores where recomputing a step is the cheaper (see above).
+SMALL_STORE = 64
+# A recomputed step costs about three steps in the backward pass (it runs as a step's vjp).
+RECOMPUTE_ROWS = 3
+
+
+def stored_carry_budget() -> int:
+    """The bytes a loop traced now may store for its backward pass (see
+    :func:`set_stored_carry_budget`)."""
+    return _budget[0]
+
+
+def set_stored_carry_budget(nbytes: int | None) -> None:
+    """Set how many bytes of carries a reverse-mode loop may store for its backward pass, its
+    whole batch included (two copies counted); ``None`` restores the default, 512 MiB.
+
+    Below ``2 x batch x max_depth x carry`` bytes, a loop with ``checkpoints=None`` stores as
+    many carries per sample as the budget holds and recomputes the others in its backward pass
+    (``return_info``/``return_stats`` report the count). The budget is read when a loop is
+    traced: a function ``jax.jit`` has already traced keeps the budget it was traced with. For
+    one loop, :func:`stored_carry_budget_scope`.
+
+    Raises ``TypeError`` for an ``nbytes`` that is not an int (or None) and ``ValueError`` for
+    one below 1."""
+    if nbytes is None:
+        _budget[0] = DEFAULT_BUDGET
+        return
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
+        raise TypeError(f"`nbytes` must be an int number of bytes or None, got {nbytes!r}")
+    if nbytes < 1:
+        raise ValueError(f"`nbytes` must be at least 1, got {nbytes}")
+    _budget[0] = int(nbytes)
+
+
+@contextlib.contextmanager
+def stored_carry_budget_scope(nbytes: int | None) -> Iterator[None]:
+    """:func:`set_stored_carry_budget` for the loops traced inside the ``with`` block only.
+
+    Raises as :func:`set_stored_carry_budget`."""
+    before = _budget[0]
+    set_stored_carry_budget(nbytes)
+    try:
+        yield
+    finally:
+        _budget[0] = before
 
 
 def nbytes(avals) -> int:
@@ -31,16 +91,33 @@ def nbytes(avals) -> int:
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in avals)
 
 
-def bounded_checkpoints(carry_bytes: int, length: int) -> int | None:
-    """``None`` while two copies of ``length`` carries of ``carry_bytes`` fit
-    :data:`STORED_CARRY_BUDGET` (the compiled backward pass may hold two), else the number of
-    checkpoints ``K = ceil(length / S)``, ``S`` a power of two, whose carries with the recompute
-    buffers of :func:`recompute_slots` are fewest (the most checkpoints among equals): a loop
-    over budget keeps about ``3 x length ** (1/3)`` carries per sample, so that its memory and
-    the time spent filling it do not grow with an unused ``length``."""
-    fits = STORED_CARRY_BUDGET // max(2 * carry_bytes, 1)
-    if carry_bytes == 0 or length <= fits:
+def checkpoints_for(loop: Loop, rows: int, platform: str | None = None) -> int | None:
+    """The carries per sample ``loop`` stores over ``rows`` samples with ``checkpoints=None``:
+    ``None`` (every one) while they fit the budget (and :data:`SMALL_STORE` where that bounds
+    them), else as many as fit, at least :func:`fewest_held`'s."""
+    carry = nbytes(loop.carry_avals)
+    length = loop.max_steps
+    fits = loop.budget // max(2 * rows * carry, 1)
+    if _recompute_is_cheaper(loop, carry, platform):
+        fits = min(fits, SMALL_STORE)
+    if carry == 0 or length <= fits:
         return None
+    return max(fits, fewest_held(length))
+
+
+def _recompute_is_cheaper(loop: Loop, carry_bytes: int, platform: str | None) -> bool:
+    cost = _cost.backend_cost(platform)
+    rate = FRESH_BYTES_PER_SECOND.get(platform or jax.default_backend(), math.inf)
+    flops = _cost.jaxpr_flops(loop.step_jaxpr.jaxpr)
+    row = max(flops / cost.flops_per_second, cost.row_floor_seconds)
+    return carry_bytes / rate > RECOMPUTE_ROWS * row
+
+
+def fewest_held(length: int) -> int:
+    """The number of checkpoints ``K = ceil(length / S)``, ``S`` a power of two, whose carries
+    with the two-level recompute buffers of :func:`recompute_slots` are fewest (the most
+    checkpoints among equals): about ``3 x length ** (1/3)`` carries per sample, the least
+    memory a loop can run in."""
     spacings = [2**e for e in range(max(length - 1, 1).bit_length() + 1)]
     options = [(-(-length // s), s) for s in spacings]
     held = [(k + sum(recompute_slots(s)), -k) for k, s in options]
@@ -52,10 +129,10 @@ TWO_LEVEL_FROM = 64
 
 
 def recompute_slots(segment: int) -> tuple[int, int]:
-    """``(inner, sub)``: the backward pass's buffers for segments of up to ``segment`` steps
-    (a power of two): one of ``segment`` carries (``sub = 0``), or, from
-    :data:`TWO_LEVEL_FROM` on, sub-checkpoints every ``inner`` steps (``inner`` the power of two
-    nearest above ``sqrt(segment)``) and one sub-segment's carries."""
+    """``(inner, sub)``: the two-level backward pass's buffers for segments of up to
+    ``segment`` steps (a power of two): one of ``segment`` carries (``sub = 0``), or, from
+    :data:`TWO_LEVEL_FROM` on, sub-checkpoints every ``inner`` steps (``inner`` the power of
+    two nearest above ``sqrt(segment)``) and one sub-segment's carries."""
     if segment < TWO_LEVEL_FROM:
         return segment, 0
     inner = 2 ** -(-(segment.bit_length() - 1) // 2)
@@ -84,8 +161,7 @@ def fitted(loop: Loop, batch: tuple) -> Loop:
     if loop.checkpoints is not None or loop.strategy not in ("auto", "checkpointed"):
         return loop
     rows = math.prod(level.size if isinstance(level.size, int) else 1 for level in batch)
-    carry_bytes = nbytes(loop.carry_avals)
-    return _with_checkpoints(loop, bounded_checkpoints(rows * carry_bytes, loop.max_steps))
+    return _with_checkpoints(loop, checkpoints_for(loop, rows))
 
 
 def matching(loop: Loop, buffer_leaf: Any, carry_aval: Any) -> Loop:

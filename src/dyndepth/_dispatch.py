@@ -175,7 +175,11 @@ def _forward_rows(loop, level, store, plan, ops: LoopOperands) -> list:
     def run(consts, cconsts, init, xs, n, kd):
         rows = LoopOperands(consts, cconsts, init, xs, n, kd)
         carry, ys, steps, res, (iters, S) = _forward_kernel(loop, rows, axes, per_sample, store)
-        return carry, ys, steps, res, _batched.stats_of(iters, S)
+        if not store:
+            return carry, ys, steps, res, _batched.stats_of(iters, S)
+        back = _BackwardPlan.of(loop, steps, res[1], consts, axes.consts, per_sample)
+        work = back.work(loop, steps, res[1])
+        return carry, ys, steps, res, _batched.stats_of(iters, S, work, loop.slots_stored)
 
     # Under plain jit with the rows sharded over Explicit mesh axes: one loop per device.
     nc = len(init)
@@ -346,15 +350,9 @@ def _backward_rows(loop, level, pert, plan, use_ext, ops: BwdOperands) -> list:
     k_rows = [ax == 0 or per_row for ax in take(c_axes, pert.consts)]
 
     def run(consts, xs, kd, buf, stride, steps, ct_c, ct_y):
-        if loop.thinning:  # (checkpoints recomputed segment by segment, in lockstep)
-            xs = broadcast_rows(xs, [ax == 0 for ax in x_axes], steps.shape[0])
-            args = (loop, pert, consts, c_axes, xs, kd, (buf, stride), steps, ct_c, ct_y)
-            acc, ct, ct_xs = _batched.backward(*args, per_row=per_row)
-        else:
-            bwd = BwdOperands(consts, xs, kd, Residuals(steps, Stored(buf, stride, [])), ct_c,
-                              ct_y)  # fmt: skip
-            acc, ct, ct_xs = _backward_kernel(loop, pert, bwd, c_axes, x_axes, res_b.steps,
-                                              per_row)  # fmt: skip
+        bwd = BwdOperands(consts, xs, kd, Residuals(steps, Stored(buf, stride, [])), ct_c, ct_y)
+        acc, ct, ct_xs = _backward_kernel(loop, pert, bwd, c_axes, x_axes, res_b.steps,
+                                          per_row)  # fmt: skip
         return ct, ct_xs, take(acc, k_rows), take(acc, k_rows, False)
 
     # Under plain jit with the rows sharded over Explicit mesh axes: one loop per device; the
@@ -370,19 +368,66 @@ def _backward_rows(loop, level, pert, plan, use_ext, ops: BwdOperands) -> list:
     return Cotangents(merge(acc_rows, acc_shared, k_rows), ct, ct_xs).flat()
 
 
+@dataclasses.dataclass(frozen=True)
+class _BackwardPlan:
+    """How a batch of rows runs backward from its stored carries: each sample's ``units`` (its
+    steps, or with thinned checkpoints :func:`dyndepth._store.units`) in lockstep (``rule``
+    None) or, under ``"auto"`` with per-sample steps, on the wrap-around schedule in a slot
+    count the ``rule`` chooses at run time. With thinning, ``fits`` says whether every sample's
+    segments fit :func:`dyndepth._store.recompute_rows`; else the batch takes the two-level
+    lockstep sweep of :mod:`dyndepth._batched`."""
+
+    units: jax.Array
+    rule: _slots.SlotRule | None
+    fits: jax.Array | None
+
+    @staticmethod
+    def of(loop: Loop, steps, stride, consts, c_axes, per_sample: bool) -> _BackwardPlan:
+        rows = steps.shape[0]
+        steps = steps.astype(jnp.int32)
+        units = _store.units(steps, stride) if loop.thinning else steps
+        rule = (_slots.SlotRule.for_loop(loop, rows, consts, c_axes)
+                if per_sample and _schedulable(loop, rows) else None)  # fmt: skip
+        fits = jnp.all(stride <= _store.recompute_rows(loop) + 1) if loop.thinning else None
+        return _BackwardPlan(units, rule, fits)
+
+    def work(self, loop: Loop, steps, stride) -> tuple:
+        """``(iterations, executed sample-steps)`` the backward pass will run (a thinned one
+        counts its recompute units)."""
+        rows = self.units.shape[0]
+        if self.rule is None:
+            S = jnp.asarray(rows, jnp.int32)
+        else:
+            S = jnp.asarray(self.rule.candidates, jnp.int32)[self.rule.choose(self.units)]
+        its = _slots.iterations(jnp.sum(self.units), jnp.max(self.units, initial=0), S)
+        if self.fits is None:
+            return its, its * S
+        two_level = _batched.backward_iterations(loop, steps.astype(jnp.int32), stride)
+        return jnp.where(self.fits, its, two_level), jnp.where(self.fits, its * S, two_level * rows)
+
+
 def _backward_kernel(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes, x_axes,
                      per_sample: bool, per_row: bool) -> tuple:  # fmt: skip
-    """How a batch of rows runs backward from every stored carry: in lockstep, or, under
-    ``"auto"`` with per-sample steps, on the wrap-around schedule of the reverse sweeps in a
-    slot count chosen at run time."""
+    """Run the backward pass of :class:`_BackwardPlan` over a batch of rows."""
     steps = ops.res.steps.astype(jnp.int32)
     rows = steps.shape[0]
+    plan = _BackwardPlan.of(loop, steps, ops.res.stored.stride, ops.consts, c_axes, per_sample)
 
     def run(S):
-        sched = (_schedule.Lockstep(steps, reverse=True) if S >= rows
-                 else _schedule.Wrap.of(steps, S, reverse=True))  # fmt: skip
+        sched = (_schedule.Lockstep(plan.units, reverse=True) if S >= rows
+                 else _schedule.Wrap.of(plan.units, S, reverse=True))  # fmt: skip
         return _kernels.backward(loop, pert, ops, c_axes, x_axes, sched, per_row=per_row)[:3]
 
-    if not (per_sample and _schedulable(loop, rows)):
-        return run(rows)
-    return _with_slots(steps, _slots.SlotRule.for_loop(loop, rows, ops.consts, c_axes), run)
+    def scheduled():
+        return run(rows) if plan.rule is None else _with_slots(plan.units, plan.rule, run)
+
+    if plan.fits is None:
+        return scheduled()
+
+    def two_level():
+        xs = broadcast_rows(ops.xs, [ax == 0 for ax in x_axes], rows)
+        return _batched.backward(loop, pert, ops.consts, c_axes, xs, ops.kd,
+                                 (ops.res.stored.buf, ops.res.stored.stride), steps,
+                                 ops.ct_carry, ops.ct_ys, per_row=per_row)  # fmt: skip
+
+    return tuple(_vma.cond(plan.fits, scheduled, two_level))

@@ -9,8 +9,10 @@ writes the result back; only live slots write. The body does nothing else: the s
 bookkeeping is one small table read per iteration, and a lockstep schedule reads and writes
 rows in place (no gather, no scatter).
 
-The forward pass stores, with ``store``, the carries of :mod:`dyndepth._store`; the backward
-pass here reads every carry from it (``checkpoints`` above the steps taken: no thinning).
+The forward pass stores, with ``store``, the carries of :mod:`dyndepth._store`. The backward
+pass reads every carry from it, or, with thinned checkpoints, runs each sample's units of
+:func:`dyndepth._store.backward_unit` (its segments recomputed into the store's free slots,
+then undone), so that its work follows the sample's steps too.
 """
 
 from __future__ import annotations
@@ -140,9 +142,9 @@ def slot_vjp(loop: Loop, pert: Perturbed, consts, c_axes, carry, x, key, ct_c, c
     """One step's vjp on the slots; slots that are not ``live`` contribute nothing (their
     inputs are a point of some sample's trajectory, their cotangents zero).
 
-    Returns cotangents ``(g_consts, g_carry, g_x)`` of the perturbed leaves: a const with
+    Returns cotangents ``(g_consts, g_carry, g_x)`` of the perturbed leaves (a const with
     axis 0 one per slot; a shared const (axis ``None``) summed over the slots, or with
-    ``per_row`` one per slot (``vmap`` of a per-sample vjp)."""
+    ``per_row`` one per slot: ``vmap`` of a per-sample vjp) and the step's new carry."""
     kp, cp, xp = pert.consts, pert.carry, pert.xs
     S = live.shape[0]
     ct_c = [jnp.where(rows_mask(live, c), c, 0) for c in ct_c]
@@ -151,9 +153,10 @@ def slot_vjp(loop: Loop, pert: Perturbed, consts, c_axes, carry, x, key, ct_c, c
     def pullback(step, k_d, k_n, c_d, c_n, x_d, x_n, k, ct_c, ct_y):
         def f(k_d, c_d, x_d):
             new_c, y = step(merge(k_d, k_n, kp), merge(c_d, c_n, cp), merge(x_d, x_n, xp), k)
-            return take(new_c, cp), take(y, pert.ys)
+            return (take(new_c, cp), take(y, pert.ys)), list(new_c)
 
-        return jax.vjp(f, k_d, c_d, x_d)[1]((ct_c, ct_y))
+        _, pullback, new_c = jax.vjp(f, k_d, c_d, x_d, has_aux=True)
+        return pullback((ct_c, ct_y)) + (new_c,)
 
     # Inside shard_map, a vjp with respect to a replicated const would psum its cotangent over
     # the devices, a collective inside a loop whose trip count differs per device: varying
@@ -172,15 +175,14 @@ def slot_vjp(loop: Loop, pert: Perturbed, consts, c_axes, carry, x, key, ct_c, c
 
 def backward(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes: list, x_axes: list,
              sched: Any, *, per_row: bool) -> tuple:  # fmt: skip
-    """The reverse sweep over the rows on ``sched`` (a reverse schedule of the steps taken),
-    every carry read from the store. ``ops.ct_carry``/``ops.ct_ys`` hold the perturbed
-    leaves only. Returns cotangents ``(consts, init, xs)`` of the perturbed leaves: a shared
-    const's summed over the rows, or per row with ``per_row``; the xs' per row (a perturbed
-    xs leaf has axis 0)."""
+    """The reverse sweep over the rows on ``sched``, a reverse schedule of each sample's
+    backward units (its steps, or with thinning :func:`dyndepth._store.units`; ``i`` counts
+    them down). ``ops.ct_carry``/``ops.ct_ys`` hold the perturbed leaves only. Returns
+    cotangents ``(consts, init, xs)`` of the perturbed leaves (a shared const's summed over
+    the rows, or per row with ``per_row``; the xs' per row: a perturbed xs leaf has axis 0)
+    and the iterations run."""
     B = ops.res.steps.shape[0]
     S = sched.slots
-    assert not loop.thinning
-    buf = ops.res.stored.buf
     kd = ops.kd
     d_axes = take(c_axes, pert.consts)
     # (a const's cotangent with a row axis: a per-sample const's, or each sample's own)
@@ -192,23 +194,43 @@ def backward(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes: list, x_axes
         acc=_accumulators(pert, ops.consts, c_axes, B, per_row),
         ct_xs=[jnp.zeros_like(x) for x in take(ops.xs, pert.xs)],
     )
+    buf = list(ops.res.stored.buf)
+    # With thinning, each sample's segment is recomputed into rows of its own; per sample its
+    # steps and stride, read with one gather per iteration.
+    if loop.thinning:
+        R = _store.recompute_rows(loop)
+        state["rec"] = [_sharding.zeros((B, R), a) for a in loop.carry_avals]
+        layout = jnp.stack([ops.res.steps.astype(jnp.int32), ops.res.stored.stride])
 
     def body(s):
         s = dict(s)
         t = s["t"]
         view = sched.view(s["sched"], t)
-        j, b, live, src = view.i, view.b, view.live, view.rows
-        carry = _store.read(buf, src, j)  # (every carry stored: slot j)
+        b, live, src = view.b, view.live, view.rows
+        if loop.thinning:
+            n, stride = layout.at[:, src].get(mode="promise_in_bounds")
+            recompute, j, p, seg = _store.backward_unit(n, stride, _store.units(n, stride) - 1
+                                                         - view.i)  # fmt: skip
+            stored = _store.read(buf, src, seg)
+            again = _store.read(s["rec"], src, p - 1)
+            carry = [jnp.where(rows_mask(p == 0, c), c, a)
+                     for c, a in zip(stored, again, strict=True)]  # fmt: skip
+            undo = live & ~recompute
+        else:  # (every carry stored: slot j)
+            j, undo = view.i, live
+            carry = _store.read(buf, src, j)
         x = _xs_at(ops.xs, x_axes, src, j, S)
         ct_y = _store.read(ops.ct_ys, src, j)
-        g_k, g_c, g_x = slot_vjp(
+        g_k, g_c, g_x, new_c = slot_vjp(
             loop, pert, _per_slot(ops.consts, c_axes, src), c_axes, carry, x,
-            _keys(loop, kd, src, j, S), at_slots(s["cur"], src), ct_y, live, per_row=per_row,
+            _keys(loop, kd, src, j, S), at_slots(s["cur"], src), ct_y, undo, per_row=per_row,
         )  # fmt: skip
-        s["cur"] = put_slots(s["cur"], b, list(g_c), live)
-        s["acc"] = [_add_rows(a, b, g, live) if r else a + g
+        if loop.thinning:
+            s["rec"] = _store._put_cells(s["rec"], b, p, new_c, live & recompute)
+        s["cur"] = put_slots(s["cur"], b, list(g_c), undo)
+        s["acc"] = [_add_rows(a, b, g, undo) if r else a + g
                     for a, g, r in zip(s["acc"], g_k, rows, strict=True)]  # fmt: skip
-        s["ct_xs"] = _store._put_cells(s["ct_xs"], b, j, list(g_x), live)
+        s["ct_xs"] = _store._put_cells(s["ct_xs"], b, j, list(g_x), undo)
         s["sched"] = sched.advance(s["sched"], view, [])
         s["t"] = t + 1
         return s

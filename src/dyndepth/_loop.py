@@ -15,7 +15,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from . import _checks, _collectives, _masked, _primitives, _sharding
+from . import _batched, _checks, _collectives, _masked, _per_device, _primitives, _sharding
 from ._keys import KeySchedule, check_key
 from ._trace import StepKind, trace_loop
 from ._types import Strategy
@@ -67,7 +67,8 @@ def _run(kind: StepKind, fn: Callable, cond_fn: Callable | None, init: Any, xs: 
     operands = (traced.consts, traced.cconsts, traced.init, traced.xs, n, kd)
     if length == 0:
         ys = [jnp.zeros((0,) + a.shape, a.dtype) for a in loop.y_avals]
-        carry, steps, stats = traced.init, jnp.zeros((), jnp.int32), jnp.zeros((2,), jnp.int32)
+        carry, steps = traced.init, jnp.zeros((), jnp.int32)
+        stats = jnp.zeros((_batched.STATS_WIDTH,), jnp.int32)
     elif strategy == "masked" or _collectives.uses_vmap_axis(loop):
         if stats_for is not None:
             why = ("strategy='masked'" if strategy == "masked" else
@@ -89,10 +90,14 @@ def _run(kind: StepKind, fn: Callable, cond_fn: Callable | None, init: Any, xs: 
 
 
 def _work_stats(stats: jax.Array) -> dict:
-    """A loop's ``[iterations, executed sample-steps]`` (one row per device where the devices
-    report apart) as the ``return_stats`` dict: the longest loop, the sum of the work."""
-    stats = stats.reshape(-1, 2)
-    return {"iterations": jnp.max(stats[:, 0]), "executed_sample_steps": jnp.sum(stats[:, 1])}
+    """A loop's stats vector (one row per device where the devices report apart) as the
+    ``return_stats`` dict (see :func:`repeat_batched`)."""
+    stats = _batched.merge_stats(stats, _per_device.Across())
+    return dict(zip(_STATS_NAMES, stats, strict=True))
+
+
+_STATS_NAMES = ("iterations", "executed_sample_steps", "backward_iterations",
+                "backward_executed_sample_steps", "stored_carries")  # fmt: skip
 
 
 def _carry_kind(with_key: bool, fname: str, key_name: str = "key") -> StepKind:
@@ -147,9 +152,11 @@ def repeat(
       batched under ``vmap`` (one depth per sample). A concrete value outside
       ``[0, max_depth]`` raises; a traced one is clamped into that range.
     - ``max_depth``: static Python int ``>= 0``, the largest depth the loop can run. It sizes
-      the buffers, and with ``checkpoints=None`` under ``vmap`` part of the cost: the backward
-      pass's stored carries follow ``max_depth``, not the depths, up to the memory budget
-      below (``benchmarks/max_depth.py``); keep it near the largest depth you need.
+      the buffers: with ``checkpoints=None`` the carries stored for the backward pass follow
+      ``max_depth`` up to the stored-carry budget, or up to 64 per sample where recomputing is
+      the cheaper (see ``checkpoints``), so that a generous value costs little there
+      (``benchmarks/max_depth.py``); where every carry fits the budget, they are ``max_depth``
+      per sample, filled whatever the depths.
     - ``key``: optional PRNG key (``jax.random.key`` or ``jax.random.PRNGKey``). Step ``i``
       receives ``dyndepth.step_key(key, i) == jax.random.fold_in(key, i)``.
     - ``strategy``: ``"auto"`` (default), ``"masked"``, ``"while"`` or ``"checkpointed"``:
@@ -203,21 +210,21 @@ def repeat(
       (``max_depth`` carries of memory) and each step is evaluated once more in the backward
       pass (``2 * depth`` in all). An int ``K >= 1`` stores at most ``K``
       checkpoints, evenly spaced over the steps actually taken (spacing doubles when the slots
-      fill up), and recomputes the carries between two checkpoints during the backward pass
-      into a buffer of ``S`` carries, ``S`` the smallest power of two with
-      ``ceil(max_depth / S) <= K``. Memory: ``K + S`` carries; step evaluations: at most
-      ``3 * depth`` (exactly ``2 * depth`` when ``depth <= K``). ``None`` stores every carry
-      while two copies of the whole loop's (``max_depth`` carries for every sample of the
-      batch, every level of ``vmap``) fit a budget of 512 MiB; above it, it takes a bounded
-      ``K`` by itself, the ``K = ceil(max_depth / S)`` that holds the fewest carries, a
-      segment of 64 or more steps being recomputed in two levels (sub-checkpoints every
-      ``sqrt(S)`` steps, one more forward pass over it): about ``3 * max_depth ** (1/3)``
-      carries per sample, so that a generous ``max_depth`` with small depths does not
-      allocate gigabytes. Below the budget the buffer of ``max_depth`` carries is filled
-      whatever the depths, which costs time (about 20x the value_and_grad time of
-      ``max_depth`` 100 at ``max_depth`` 10,000 for depths below 20 in
-      ``benchmarks/max_depth.py``). ``checkpoints=max_depth`` stores every carry whatever the
-      size.
+      fill up), and the backward pass recomputes each segment between two checkpoints from its
+      checkpoint into a buffer of up to ``K / 2`` carries per sample (under ``vmap``,
+      scheduled per sample as the steps are); where a sample is deeper than about
+      ``K ** 2 / 2`` steps, segments longer than that buffer make the batch's backward pass
+      recompute in two levels, in lockstep (sub-checkpoints every ``sqrt`` of a segment, one
+      more forward pass). Step evaluations: at most ``3 * depth`` (``4 * depth`` in two
+      levels). ``None`` stores every carry while two copies of the whole loop's
+      (``max_depth`` carries for every sample of the batch, every level of ``vmap``) fit the
+      stored-carry budget (512 MiB unless set with :func:`set_stored_carry_budget`); above
+      it, as many carries per sample as fit. Where writing a carry to fresh memory costs more
+      than recomputing the step (on the CPU, a step of few operations per byte of its carry),
+      at most 64 per sample whatever the budget, so that a generous ``max_depth`` costs
+      neither memory nor time. ``repeat_batched``'s ``return_stats`` reports the count
+      (``stored_carries``) and the backward pass's work. ``checkpoints=max_depth`` stores
+      every carry whatever the size.
 
     - ``slots``: under ``vmap`` with per-sample depths, ``"auto"`` runs the batch through the
       per-sample scheduler (see :func:`repeat_batched`). ``None`` chooses at run time, by a
@@ -270,7 +277,7 @@ def repeat(
     ``ValueError`` at trace time.
     """
     # max_depth-cost: the docstring's `max_depth` and `checkpoints` entries say what an unused
-    # max_depth costs today (benchmarks/max_depth.py).
+    # max_depth costs (benchmarks/max_depth.py).
     _checks.callable_arg(f, "f")
     max_depth = _checks.static_nonneg_int(max_depth, "max_depth")
     checkpoints = _checks.checkpoints_arg(checkpoints)
@@ -448,6 +455,9 @@ def while_loop(
         sharded over ``Explicit`` mesh axes, the longest device's iterations and the sum over
         the devices. ``None`` where the masked loop ran (``strategy="masked"``, or a step that
         uses the axis of an enclosing ``vmap``): it runs ``max_steps`` steps for every sample.
+      - ``"backward_iterations"``, ``"backward_executed_sample_steps"``,
+        ``"stored_carries"``: as :func:`repeat_batched`'s stats (zero outside
+        differentiation; ``None`` where the masked loop ran).
 
     - ``return_steps``, ``return_stats``: deprecated (a ``DeprecationWarning``; they will be
       removed in the next release), use ``return_info``. ``return_steps=True`` returns
@@ -489,8 +499,7 @@ def while_loop(
         stats_for="return_stats" if return_stats else None, priority_fn=priority,
     )  # fmt: skip
     if return_info:
-        work = {"iterations": None, "executed_sample_steps": None} if stats is None else (
-            _work_stats(stats))  # fmt: skip
+        work = dict.fromkeys(_STATS_NAMES) if stats is None else _work_stats(stats)
         return carry, {"steps": steps, **work}
     out = [carry] + ([steps] if return_steps else [])
     if return_stats:
@@ -575,7 +584,13 @@ def repeat_batched(
       batch sharded over ``Explicit`` mesh axes, the longest device's loop and the sum over
       the devices of the executed sample-steps),
       ``executed_sample_steps`` (``slots x iterations``),
-      ``useful_sample_steps`` (``sum(depths)``), and ``per_device_executed_sample_steps`` /
+      ``useful_sample_steps`` (``sum(depths)``), the backward pass's ``backward_iterations``
+      and ``backward_executed_sample_steps`` (rows it ran the step's vjp or a recompute on:
+      ``sum(depths)`` plus the recompute of thinned checkpoints, about ``2 x sum(depths)``
+      at most, scheduling waste aside) and ``stored_carries`` (carries stored per sample for
+      it: ``max_depth``, or fewer, see ``checkpoints`` in :func:`repeat`), the three zero
+      outside differentiation (read them from a ``value_and_grad`` with ``has_aux``), and
+      ``per_device_executed_sample_steps`` /
       ``per_device_useful_sample_steps`` (shape ``(1,)``: this device's figures, so that a
       ``shard_map`` with ``out_specs=P(axis)`` gathers one entry per device).
 
@@ -616,12 +631,12 @@ def repeat_batched(
     in_axes = (0, None if shared else 0, None if keys is None else 0)
     run = jax.vmap(one, in_axes=in_axes, out_axes=(0, None))
     if B == 0:
-        carry, stats = inits, jnp.zeros((2,), jnp.int32)
+        carry, stats = inits, jnp.zeros((_batched.STATS_WIDTH,), jnp.int32)
     else:
         carry, stats = run(inits, depths, keys)
     if not return_stats:
         return carry
-    stats = stats.reshape(-1, 2)
+    stats = stats.reshape(-1, _batched.STATS_WIDTH)
     per_sample = jnp.broadcast_to(depths, (B,))
     useful = jnp.sum(per_sample.reshape(stats.shape[0], -1), axis=1)
     return carry, {

@@ -30,9 +30,12 @@ def forward(loop: Loop, consts, cconsts, init, xs, n, kd, *, store: bool,
         axes = LoopOperands([None] * len(consts), [None] * len(cconsts), [0] * len(init),
                             [None] * len(xs), 0, 0)  # fmt: skip
         carry, ys, steps, res, iters = _kernels.lockstep(loop, one, axes, store=store)
-        if store:
-            res = (squeeze(res[0]), res[1][0], _no_ext(loop, plan))
-        return squeeze(carry), squeeze(ys), steps[0], res, _batched.stats_of(iters, 1)
+        if not store:
+            return squeeze(carry), squeeze(ys), steps[0], res, _batched.stats_of(iters, 1)
+        back = _batched.backward_iterations(loop, steps, res[1])
+        stats = _batched.stats_of(iters, 1, (back, back), loop.slots_stored)
+        res = (squeeze(res[0]), res[1][0], _no_ext(loop, plan))
+        return squeeze(carry), squeeze(ys), steps[0], res, stats
     T = loop.max_steps
 
     def active(i, carry):
@@ -69,7 +72,9 @@ def forward(loop: Loop, consts, cconsts, init, xs, n, kd, *, store: bool,
 
     out = _vma.while_loop(lambda s: s["act"], body, state)
     res = (out["buf"], jnp.ones((), jnp.int32), out["ext"]) if store else None
-    return out["carry"], out["ys"], out["i"], res, _batched.stats_of(out["i"], 1)
+    back = (out["i"], out["i"]) if store else (0, 0)
+    stats = _batched.stats_of(out["i"], 1, back, T if store else 0)
+    return out["carry"], out["ys"], out["i"], res, stats
 
 
 def _no_ext(loop: Loop, plan: ResidualPlan | None):

@@ -12,7 +12,6 @@ differentiation are :mod:`dyndepth._derivative`.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,6 +50,7 @@ class Loop:
     max_steps: int
     checkpoints: int | None
     strategy: str
+    budget: int  # bytes of stored carries (dyndepth._budget), read when the loop was traced
     slots: int | tuple[int, ...] | None = None
     stacked: int = 0
     priority: bool = False
@@ -106,16 +106,6 @@ class Loop:
     @property
     def thinning(self) -> bool:
         return self.slots_stored < self.max_steps
-
-    @property
-    def segment(self) -> int:
-        """Largest checkpoint spacing: the size of the backward pass's recompute buffer."""
-        if not self.thinning:
-            return 1
-        s = 1
-        while math.ceil(self.max_steps / s) > self.slots_stored:
-            s *= 2
-        return s
 
 
 def step_consts(stacked: int, consts: Sequence[Any], x: Sequence[Any]) -> Leaves:

@@ -7,6 +7,11 @@ steps are known before the loop (depths), the strides are set then; where they a
 predicate), a sample whose ``K`` slots fill up keeps every other carry at twice the stride,
 which ends in the same layout. Slot 0 always holds the initial carry, so that a backward pass
 never evaluates the step at an unwritten slot.
+
+A thinned store's backward pass recomputes one segment (``stride`` steps) at a time per sample
+into a buffer of :func:`recompute_rows` carries per sample (:func:`backward_unit`); a sample
+whose stride exceeds it (deeper than about ``K ** 2 / 2`` steps) sends its batch to the two-level
+lockstep sweep of :mod:`dyndepth._batched`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,48 @@ def strides_for(lengths: jax.Array, K: int) -> jax.Array:
     need = jnp.maximum(-(-lengths.astype(jnp.int32) // K), 1)  # ceil(length / K), at least 1
     bits = 32 - jax.lax.clz(need - 1)  # (need a power of two: need - 1 has that many bits)
     return jnp.left_shift(jnp.ones_like(need), bits)
+
+
+def max_stride(loop: Loop) -> int:
+    """The largest stride of :func:`strides_for` over ``loop.max_steps`` steps."""
+    s = 1
+    while -(-loop.max_steps // s) > loop.slots_stored:
+        s *= 2
+    return s
+
+
+def recompute_rows(loop: Loop) -> int:
+    """Carries per sample the scheduled backward pass recomputes a segment into: up to the
+    largest stride's, at most ``K / 2`` (the store's half)."""
+    return min(max_stride(loop) - 1, max(loop.slots_stored // 2, 1))
+
+
+def units(steps: jax.Array, stride: jax.Array) -> jax.Array:
+    """The backward pass's units of work per sample (:func:`backward_unit`): ``2 x steps -
+    segments`` (every step undone, all but each segment's first step recomputed), ``segments =
+    ceil(steps / stride)``; ``steps`` at stride 1."""
+    return 2 * steps - (-(-steps // stride))
+
+
+def backward_unit(steps: jax.Array, stride: jax.Array, u: jax.Array) -> tuple:
+    """Unit ``u`` of a sample's backward pass: ``(recompute, step, p, j)``.
+
+    The pass takes the segments last first; segment ``j`` of ``L`` steps, from step ``j x
+    stride``, is ``L - 1`` recompute units (the carries before its steps ``1 ... L - 1``, each
+    the step applied to the one before) then ``L`` reverse steps, its last step first. A unit
+    applies ``step`` to the carry at position ``p`` of its segment: stored slot ``j`` for
+    ``p = 0``, else recomputed row ``p - 1``; a recompute unit writes row ``p``."""
+    nseg = -(-steps // stride)
+    last = steps - (nseg - 1) * stride  # the last segment's steps
+    in_last = u < 2 * last - 1
+    rest = u - (2 * last - 1)
+    per = 2 * stride - 1
+    j = jnp.where(in_last, nseg - 1, nseg - 2 - rest // per)
+    r = jnp.where(in_last, u, rest % per)
+    length = jnp.where(in_last, last, stride)
+    recompute = r < length - 1
+    p = jnp.where(recompute, r, 2 * length - 2 - r)
+    return recompute, j * stride + p, p, j
 
 
 def start(loop: Loop, init: list, strides: jax.Array | None) -> dict:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat, _sharding, _vma
+from . import _budget, _compat, _sharding, _vma
 from ._checks import same_structure
 from ._keys import KeySchedule, is_typed_key
 from ._leaves import Leaves
@@ -352,7 +352,7 @@ def trace_loop(
     inputs = _Inputs.of(init, xs, stacked, key_example)
     flat_step, seen = _flat_step(kind, fn, inputs)
     options = dict(keys=keys, max_steps=max_steps, checkpoints=checkpoints, strategy=strategy,
-                   slots=slots)  # fmt: skip
+                   slots=slots, budget=_budget.stored_carry_budget())  # fmt: skip
     # Inside shard_map, the step is traced on examples varying over the axes its operands vary
     # over; the kernels widen that by the axes of the consts and of the step's outputs.
     axes = _vma.state_axes_of([inputs.carry, inputs.xs, inputs.stacked, key_example])
@@ -366,7 +366,7 @@ def trace_loop(
         inputs.carry_codec, inputs.x_codec, keys,
         tuple(map(_aval_key, inputs.c_examples + inputs.x_examples + inputs.s_examples
                   + inputs.key_args)),
-        max_steps, checkpoints, strategy, slots, _context(), axes,
+        max_steps, checkpoints, strategy, slots, options["budget"], _context(), axes,
     )  # fmt: skip
     loop, consts, cconsts, y_tree, y_codec, weak = _cached(fn, cache_key, build)
     init_leaves = [jnp.asarray(c).astype(a.dtype)

@@ -1,0 +1,98 @@
+"""The stored-carry layout and the thinned backward pass's units, against plain Python."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import Counter
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dyndepth as dd
+from dyndepth import _store
+
+
+def plain_units(n: int, stride: int) -> list[tuple[bool, int, int, int]]:
+    """``(recompute, step, position, segment)`` of each unit of a sample's backward pass: its
+    segments last first, each recomputed (all but its first carry), then undone in reverse."""
+    nseg = -(-n // stride)
+    out = []
+    for j in reversed(range(nseg)):
+        start, length = j * stride, min(stride, n - j * stride)
+        out += [(True, start + p, p, j) for p in range(length - 1)]
+        out += [(False, start + p, p, j) for p in reversed(range(length))]
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 300), K=st.integers(1, 40))
+def test_backward_units_match_plain_python(n, K):
+    stride = int(_store.strides_for(jnp.array([n]), K)[0])
+    assert -(-n // stride) <= K and (stride == 1 or -(-n // (stride // 2)) > K)
+    want = plain_units(n, stride)
+    assert int(_store.units(jnp.array(n), jnp.array(stride))) == len(want)
+    if not want:
+        return
+    u = jnp.arange(len(want))
+    got = _store.backward_unit(jnp.full_like(u, n), jnp.full_like(u, stride), u)
+    got = list(zip(*[np.asarray(a).tolist() for a in got], strict=True))
+    assert got == want
+    # every step is undone once, and each unit reads a carry written before it: the stored
+    # one (position 0) or the one its segment's previous recompute unit wrote
+    assert sorted(step for rec, step, _, _ in want if not rec) == list(range(n))
+    written = set()
+    for rec, _, p, j in got:
+        assert p == 0 or (j, p) in written
+        if rec:
+            written.add((j, p + 1))
+
+
+@pytest.mark.parametrize(
+    ("checkpoints", "slots", "seed"),
+    [(None, None, 0), (16, None, 1), (16, 3, 2), (4, None, 3), (6, 8, 4), (None, 2, 5)],
+)
+def test_backward_stats_count_the_iterations_run(checkpoints, slots, seed):
+    """``return_stats`` under value_and_grad: the forward and backward iterations it reports are
+    the step evaluations a host callback counts (the scheduled backward pass, the recomputing
+    one and the two-level sweep alike), and the backward sample-steps are at most ``sum(depth)``
+    plus the recompute (``2 x sum(depth)``), or the two-level sweep's rows x iterations."""
+    counter = Counter()
+    W = jnp.eye(3) * 0.5
+    xs = jnp.ones((8, 3))
+    depths = jax.random.randint(jax.random.PRNGKey(seed), (8,), 0, 50)
+
+    # One tick per evaluation of the step, forward or inside a vjp (a debug callback in a
+    # plain step would run with the forward pass only).
+    @jax.custom_vjp
+    def layer(c, W):
+        counter.tick()
+        return jnp.tanh(c @ W)
+
+    def layer_fwd(c, W):
+        counter.tick()
+        out = jnp.tanh(c @ W)
+        return out, (c, W, out)
+
+    def layer_bwd(res, g):
+        c, W, out = res
+        g = g * (1 - out**2)
+        return g @ W.T, jnp.outer(c, g) if c.ndim == 1 else c.T @ g
+
+    layer.defvjp(layer_fwd, layer_bwd)
+
+    def loss(W):
+        out, stats = dd.repeat_batched(lambda c: layer(c, W), xs, depths, max_depth=60,
+                                       checkpoints=checkpoints, slots=slots,
+                                       return_stats=True)  # fmt: skip
+        return jnp.sum(out), stats
+
+    fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    ticks = counter.run(fn, W)
+    (_, stats), _ = fn(W)
+    assert ticks == int(stats["iterations"]) + int(stats["backward_iterations"])
+    total = int(jnp.sum(depths))
+    assert int(stats["backward_executed_sample_steps"]) >= total
+    K = 60 if checkpoints is None else checkpoints
+    assert int(stats["stored_carries"]) == K

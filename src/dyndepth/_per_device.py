@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -150,6 +151,7 @@ def _in_shard_map(fn, args, in_batched, merges, mesh, axes, gather_params) -> tu
                 return a
         return jax.sharding.reshard(a, NamedSharding(mesh, target))
 
+    _warn_gathered(args, axes)
     args = jax.tree_util.tree_map(placed, args, in_specs)
 
     def local(*a):  # (split outputs, merged outputs): out_specs are a prefix of it
@@ -159,6 +161,33 @@ def _in_shard_map(fn, args, in_batched, merges, mesh, axes, gather_params) -> tu
     keep, merged = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(spec, P()),
                                  axis_names=set(axes))(*args)  # fmt: skip
     return keep + merged
+
+
+def _warn_gathered(args: Any, axes: tuple[str, ...]) -> None:
+    """Warn, at trace time, of the operands split over other mesh axes than the batch's: the
+    loop's ``shard_map`` is manual over the batch axes only, its ``in_specs`` may name only
+    those, and JAX lowers its boundary replicated over every other ``Explicit`` axis, so XLA
+    all-gathers such an operand (a tensor-parallel weight split over ``model``) on entry to the
+    loop, forward and backward, whatever its type says inside."""
+    split = []
+    for a in jax.tree_util.tree_leaves(args):
+        have = getattr(jax.typeof(a), "sharding", None)
+        if have is None or have.mesh.empty:
+            continue
+        other = [n for entry in have.spec for n in _sharding.axes_of(entry) if n not in axes]
+        if other:
+            split.append(f"{jax.typeof(a).str_short()} (split over {', '.join(other)})")
+    if split:
+        warnings.warn(
+            "dyndepth: a loop on an Explicit mesh runs in a shard_map manual over its batch "
+            f"axes ({', '.join(axes)}), whose boundary JAX lowers replicated over the other "
+            f"axes: {', '.join(split)} is all-gathered on entry to the loop (forward and "
+            "backward), so the loop keeps no tensor parallelism of its memory. To keep the "
+            "weights split, run the loop in a jax.shard_map manual over every mesh axis, the "
+            "step with its own lax.psum (docs/scaling.md, 'Data and tensor parallelism "
+            "together')",
+            stacklevel=2,
+        )
 
 
 def _partitioned(fn, args, in_batched, merges) -> tuple:

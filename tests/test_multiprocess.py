@@ -127,6 +127,108 @@ def test_two_processes_match_one():
         assert got[name]["all_gathers"] == 0, got[name]
 
 
+# ----------------------------------------------------------------------------- the time model
+
+COST_WORKER = textwrap.dedent(
+    """
+    import hashlib, json, sys, warnings
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2,
+                               process_id=int(sys.argv[2]))
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    sys.path.insert(0, sys.argv[3])
+    import dyndepth as dd
+    from test_multiprocess import losses, problem
+
+    # Each process its own constants, as measure_iteration_cost() on two hosts may give: process
+    # 0 prices an iteration at a row (the scheduler's slot ladder), process 1 at a second (one
+    # lockstep batch). Compiled apart, the two programs would differ.
+    pid = jax.process_index()
+    mine = dd.IterationCost(fixed_seconds=[1e-9, 1.0][pid], flops_per_second=1e30,
+                            row_floor_seconds=1e-9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dd.set_iteration_cost("cpu", mine)
+    used = dd._cost.backend_cost("cpu")
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    W, xs, ds, ks = problem()
+    def global_array(a, spec):
+        a = np.asarray(jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype,
+                       jax.dtypes.prng_key) else a)
+        return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
+    args = (global_array(W, P()), global_array(xs, P("data")), global_array(ds, P("data")),
+            global_array(ks, P("data")))
+    fn = jax.jit(jax.value_and_grad(losses()["vmapped"]), out_shardings=NamedSharding(mesh, P()))
+    value, _ = fn(*args)
+    hlo = fn.lower(*args).compile().as_text()  # (after XLA's partitioning: the slot counts)
+
+    # Process 0 restores the default, process 1 keeps its own: both take the default.
+    with warnings.catch_warnings(record=True) as caught_reset:
+        warnings.simplefilter("always")
+        dd.set_iteration_cost("cpu", [None, mine][pid])
+    reset = dd._cost.backend_cost("cpu") == dd._cost._DEFAULTS["cpu"]
+    # Another platform on process 1: an error there naming it, nothing on process 0.
+    try:
+        dd.set_iteration_cost(["cpu", "gpu"][pid], mine)
+        mismatch = None
+    except ValueError as e:
+        mismatch = str(e)
+    print(f"RESULT{pid}" + json.dumps(dict(
+        used=[used.fixed_seconds, used.flops_per_second, used.row_floor_seconds],
+        warnings=[str(w.message) for w in caught], value=float(value),
+        program=hashlib.sha256(hlo.encode()).hexdigest(), reset=reset,
+        reset_warnings=[str(w.message) for w in caught_reset], mismatch=mismatch)))
+    jax.distributed.shutdown()
+    """
+)
+
+
+def test_two_processes_with_different_costs_use_process_zeros():
+    """``set_iteration_cost`` with another cost on each process: every process takes process
+    0's (process 1 is warned), so both compile the same program; the loop's value equals one
+    process's. Process 0 restoring the default restores it everywhere; another platform on
+    process 1 is a ``ValueError`` there."""
+    address = f"127.0.0.1:{_free_port()}"
+    env = simulated_devices_env(2, JAX_PLATFORMS="cpu")
+    here = os.path.dirname(os.path.abspath(__file__))
+    procs = [subprocess.Popen([sys.executable, "-c", COST_WORKER, address, str(i), here], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]  # fmt: skip
+    outputs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err[-4000:]
+    got = []
+    for i, (out, _) in enumerate(outputs):
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"RESULT{i}"))
+        got.append(json.loads(line[len(f"RESULT{i}") :]))
+    assert got[0]["used"] == got[1]["used"] == [1e-9, 1e30, 1e-9], got
+    assert got[0]["warnings"] == [], got[0]
+    (warning,) = got[1]["warnings"]
+    assert "process 1's cost" in warning and "every process uses process 0's" in warning, warning
+    assert got[0]["program"] == got[1]["program"]
+    assert got[0]["reset"] and got[1]["reset"], got
+    assert got[0]["reset_warnings"] == [], got[0]
+    (warning,) = got[1]["reset_warnings"]
+    assert "process 0's, the default IterationCost(" in warning, warning
+    assert got[0]["mismatch"] is None, got[0]
+    assert "`platform`='gpu'" in got[1]["mismatch"], got[1]
+    value, _ = jax.jit(jax.value_and_grad(losses()["vmapped"]))(*problem())
+    np.testing.assert_allclose([g["value"] for g in got], [value, value], rtol=1e-5)
+    # The control: compiled apart, the two costs give two programs.
+    programs = set()
+    try:
+        for fixed in (1e-9, 1.0):
+            dd.set_iteration_cost("cpu", dd.IterationCost(fixed, 1e30, 1e-9))
+            fn = jax.jit(jax.value_and_grad(losses()["vmapped"]))
+            programs.add(fn.lower(*problem()).compile().as_text())
+    finally:
+        dd.set_iteration_cost("cpu", None)
+    assert len(programs) == 2
+
+
 # ----------------------------------------------------------------------------- joining the run
 
 

@@ -24,9 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
+import zlib
 from typing import Any
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,21 +89,61 @@ def set_iteration_cost(platform: str, cost: IterationCost | None) -> None:
     ``IterationCost(fixed_seconds=0.0, flops_per_second=1.0, row_floor_seconds=1.0)`` makes the
     time rule minimize executed sample-steps; ``slots="work"`` does that with a bound.
 
+    With several processes (``jax.distributed``), every process takes process 0's cost: the
+    slot counts a loop compiles follow it, and the processes of one program must compile the
+    same (a process whose own cost differs gets a ``UserWarning`` saying so). So call it on
+    every process, as any multi-process JAX computation, with ``measure_iteration_cost()``'s
+    result or a cost of your own.
+
     Raises ``TypeError`` for a ``cost`` that is not an :class:`IterationCost` (or a field that is
     not a real number), ``ValueError`` for an unknown ``platform``, a NaN, infinite or negative
     ``fixed_seconds`` or ``row_floor_seconds``, or a NaN, zero or negative rate
     (``flops_per_second``, ``bytes_per_second``; infinite is allowed: that cost is left out).
     """
     _check_platform(platform)
-    if cost is None:
-        BACKEND_COSTS[platform] = _DEFAULTS.get(platform, _GPU)
-        return
-    if not isinstance(cost, IterationCost):
-        raise TypeError(f"`cost` must be a dyndepth.IterationCost or None, got {cost!r}")
-    for field, rate in (("fixed_seconds", False), ("row_floor_seconds", False),
-                        ("flops_per_second", True), ("bytes_per_second", True)):  # fmt: skip
-        _check_field(cost, field, rate)
-    BACKEND_COSTS[platform] = cost
+    if cost is not None:
+        if not isinstance(cost, IterationCost):
+            raise TypeError(f"`cost` must be a dyndepth.IterationCost or None, got {cost!r}")
+        for field, rate in (("fixed_seconds", False), ("row_floor_seconds", False),
+                            ("flops_per_second", True), ("bytes_per_second", True)):  # fmt: skip
+            _check_field(cost, field, rate)
+    cost = _process_zeros(platform, cost)
+    BACKEND_COSTS[platform] = _DEFAULTS.get(platform, _GPU) if cost is None else cost
+
+
+def _process_zeros(platform: str, cost: IterationCost | None) -> IterationCost | None:
+    """Process 0's ``cost`` for ``platform`` (``None``: the default), on every process; the
+    identity with one process."""
+    if jax.process_count() == 1:
+        return cost
+    mine = _encode(platform, cost)
+    agreed = np.asarray(multihost_utils.broadcast_one_to_all(mine))
+    if np.array_equal(agreed, mine):
+        return cost
+    if agreed[0] != mine[0]:
+        raise ValueError(
+            f"set_iteration_cost: process {jax.process_index()} sets `platform`={platform!r}, "
+            "process 0 another one; call it with the same platform on every process"
+        )
+    theirs = None if not agreed[1] else IterationCost(*agreed[2:].view(np.float64).tolist())
+    described = lambda c: f"the default {_DEFAULTS.get(platform, _GPU)}" if c is None else str(c)
+    warnings.warn(
+        f"dyndepth.set_iteration_cost: process {jax.process_index()}'s cost for {platform!r}, "
+        f"{described(cost)}, differs from process 0's, {described(theirs)}; every process "
+        "uses process 0's, so that all of them compile the same slot counts",
+        stacklevel=3,
+    )
+    return theirs
+
+
+def _encode(platform: str, cost: IterationCost | None) -> np.ndarray:
+    """``[crc32(platform), has cost, the cost's four floats as float64 bits]`` as uint32 words
+    (a broadcast of float64 values would round them to float32 without x64)."""
+    fields = [f.name for f in dataclasses.fields(IterationCost)]
+    values = [0.0 if cost is None else float(getattr(cost, f)) for f in fields]
+    bits = np.asarray(values, np.float64).view(np.uint32)
+    head = np.asarray([zlib.crc32(platform.encode()), cost is not None], np.uint32)
+    return np.concatenate([head, bits])
 
 
 def _check_platform(platform: Any) -> None:

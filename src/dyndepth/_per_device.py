@@ -13,11 +13,13 @@ which runs it on each device's rows, independently, and combines what the device
   known only when XLA partitions the program, so the loop is a
   ``jax.experimental.custom_partitioning`` call whose partition rule runs it on each shard of
   the batch axis (the other operands replicated; a parameter sharded over another axis, such as
-  ``model``, is gathered once, before the loop). With one device nothing changes. Two
+  ``model``, is gathered once, before the loop). With one device nothing changes. Three
   exceptions run the loop unpartitioned (right, the batch gathered): a step with side effects
-  (``jax.debug.print``, callbacks: the partitioner cannot carry them into the per-device calls)
-  and a program lowered for ``jax.export`` (the partitioner is a host callback, which an
-  exported program cannot hold).
+  (``jax.debug.print``, callbacks: the partitioner cannot carry them into the per-device calls),
+  a program lowered for ``jax.export`` (the partitioner is a host callback, which an exported
+  program cannot hold) and one lowered for devices without a live backend (a deviceless
+  compile for a topology: XLA calls the partitioner back through a live backend; a warning
+  says so).
 - Inside ``shard_map`` the loop already sees one device's rows.
 """
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -72,7 +75,41 @@ def lowering_for_devices(ctx: mlir.LoweringRuleContext) -> bool:
         # program cannot serialize: such a loop runs unpartitioned there (right, the batch
         # gathered).
         return False
-    return _LOWERING_DEPTH.get() == 0 and devices is not None and len(devices) > 1
+    if _LOWERING_DEPTH.get() or devices is None or len(devices) < 2:
+        return False
+    if not live_devices(devices):
+        _warn_deviceless(devices)
+        return False
+    return True
+
+
+def live_devices(devices: Any) -> bool:
+    """Whether ``devices`` belong to a backend this process runs (a program lowered for a
+    topology without one, ``jax.experimental.topologies``, has compile-only devices)."""
+    try:
+        live = set(jax.devices(devices[0].platform))
+    except RuntimeError:  # no such backend here
+        return False
+    return all(d in live for d in devices)
+
+
+def _warn_deviceless(devices: Any) -> None:
+    """A loop on an ``Auto`` mesh compiled for devices without a live backend runs
+    unpartitioned: XLA calls a ``custom_partitioning`` rule back while it compiles, through the
+    live backend that registered it, so a compile-only client fails ("Custom emitter for
+    CustomSPMDPartitioning not found")."""
+    warnings.warn(
+        f"dyndepth: a loop on a mesh with Auto axes is lowered for {len(devices)} "
+        f"{devices[0].platform} devices without a live backend (a deviceless compile for a "
+        "topology), where its per-device form (a custom_partitioning call, whose partitioner "
+        "XLA calls back through a live backend) cannot compile; it is lowered unpartitioned "
+        "instead: the same values, but XLA partitions the loop itself (the batch may be "
+        "gathered, a collective may run inside the loop), so this program's memory and "
+        "collectives are not those of the program compiled on live devices. For a deviceless "
+        "compile of the per-device loops, place the arrays on a mesh with Explicit axes "
+        "(jax.make_mesh's default) under jax.set_mesh (docs/tpu.md)",
+        stacklevel=2,
+    )
 
 
 def needs_devices_when_lowered(*prims: Any) -> None:
@@ -150,6 +187,7 @@ def _in_shard_map(fn, args, in_batched, merges, mesh, axes, gather_params) -> tu
                 return a
         return jax.sharding.reshard(a, NamedSharding(mesh, target))
 
+    _warn_gathered(args, axes)
     args = jax.tree_util.tree_map(placed, args, in_specs)
 
     def local(*a):  # (split outputs, merged outputs): out_specs are a prefix of it
@@ -159,6 +197,33 @@ def _in_shard_map(fn, args, in_batched, merges, mesh, axes, gather_params) -> tu
     keep, merged = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(spec, P()),
                                  axis_names=set(axes))(*args)  # fmt: skip
     return keep + merged
+
+
+def _warn_gathered(args: Any, axes: tuple[str, ...]) -> None:
+    """Warn, at trace time, of the operands split over other mesh axes than the batch's: the
+    loop's ``shard_map`` is manual over the batch axes only, its ``in_specs`` may name only
+    those, and JAX lowers its boundary replicated over every other ``Explicit`` axis, so XLA
+    all-gathers such an operand (a tensor-parallel weight split over ``model``) on entry to the
+    loop, forward and backward, whatever its type says inside."""
+    split = []
+    for a in jax.tree_util.tree_leaves(args):
+        have = getattr(jax.typeof(a), "sharding", None)
+        if have is None or have.mesh.empty:
+            continue
+        other = [n for entry in have.spec for n in _sharding.axes_of(entry) if n not in axes]
+        if other:
+            split.append(f"{jax.typeof(a).str_short()} (split over {', '.join(other)})")
+    if split:
+        warnings.warn(
+            "dyndepth: a loop on an Explicit mesh runs in a shard_map manual over its batch "
+            f"axes ({', '.join(axes)}), whose boundary JAX lowers replicated over the other "
+            f"axes: {', '.join(split)} is all-gathered on entry to the loop (forward and "
+            "backward), so the loop keeps no tensor parallelism of its memory. To keep the "
+            "weights split, run the loop in a jax.shard_map manual over every mesh axis, the "
+            "step with its own lax.psum (docs/scaling.md, 'Data and tensor parallelism "
+            "together')",
+            stacklevel=2,
+        )
 
 
 def _partitioned(fn, args, in_batched, merges) -> tuple:

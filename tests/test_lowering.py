@@ -161,3 +161,20 @@ def test_lowers_for_every_platform(name, mode):
             assert "stablehlo.while" in text, (name, mode, platform)
         # nothing that only the host runs
         assert "xla_python_cpu_callback" not in text, (name, mode, platform)
+
+
+def test_profiles_name_the_loops():
+    """The batched loop's kernels carry named scopes (``jax.named_scope``) in the compiled
+    program's metadata, as profilers show them: forward, backward and each slot count's
+    branch."""
+    W = jnp.eye(4) * 0.5
+    xs = jnp.ones((8, 4))
+    depths = jnp.arange(8)
+
+    def loss(W):
+        one = lambda x, d: dd.repeat(lambda c: jnp.tanh(c @ W), x, d, max_depth=8)  # noqa: E731
+        return jnp.sum(jax.vmap(one)(xs, depths))
+
+    text = jax.jit(jax.grad(loss)).lower(W).as_text(debug_info=True)
+    for scope in ("dyndepth_forward", "dyndepth_backward", "dyndepth_slots_8"):
+        assert scope in text, scope

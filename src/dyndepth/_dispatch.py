@@ -174,7 +174,9 @@ def _forward_rows(loop, level, store, plan, ops: LoopOperands) -> list:
 
     def run(consts, cconsts, init, xs, n, kd):
         rows = LoopOperands(consts, cconsts, init, xs, n, kd)
-        carry, ys, steps, res, (iters, S) = _forward_kernel(loop, rows, axes, per_sample, store)
+        with jax.named_scope("dyndepth_forward"):  # (profiles name the loop's kernels)
+            carry, ys, steps, res, (iters, S) = _forward_kernel(loop, rows, axes, per_sample,
+                                                                store)  # fmt: skip
         if not store:
             return carry, ys, steps, res, _batched.stats_of(iters, S)
         back = _BackwardPlan.of(loop, steps, res[1], consts, axes.consts, per_sample)
@@ -243,7 +245,12 @@ def _with_slots(lengths, rule: _slots.SlotRule, run):
     (one compiled branch each; none with one candidate)."""
     if len(rule.candidates) == 1:
         return run(rule.candidates[0])
-    branches = [lambda c=c: run(c) for c in rule.candidates]
+
+    def branch(c):
+        with jax.named_scope(f"dyndepth_slots_{c}"):
+            return run(c)
+
+    branches = [lambda c=c: branch(c) for c in rule.candidates]
     return _vma.switch(rule.choose(lengths), branches)
 
 
@@ -351,8 +358,9 @@ def _backward_rows(loop, level, pert, plan, use_ext, ops: BwdOperands) -> list:
 
     def run(consts, xs, kd, buf, stride, steps, ct_c, ct_y):
         bwd = BwdOperands(consts, xs, kd, Residuals(steps, Stored(buf, stride, [])), ct_c, ct_y)
-        acc, ct, ct_xs = _backward_kernel(loop, pert, bwd, c_axes, x_axes, res_b.steps,
-                                          per_row)  # fmt: skip
+        with jax.named_scope("dyndepth_backward"):
+            acc, ct, ct_xs = _backward_kernel(loop, pert, bwd, c_axes, x_axes, res_b.steps,
+                                              per_row)  # fmt: skip
         return ct, ct_xs, take(acc, k_rows), take(acc, k_rows, False)
 
     # Under plain jit with the rows sharded over Explicit mesh axes: one loop per device; the

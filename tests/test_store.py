@@ -96,3 +96,21 @@ def test_backward_stats_count_the_iterations_run(checkpoints, slots, seed):
     assert int(stats["backward_executed_sample_steps"]) >= total
     K = 60 if checkpoints is None else checkpoints
     assert int(stats["stored_carries"]) == K
+
+
+@pytest.mark.parametrize("checkpoints", [None, 2])
+@pytest.mark.parametrize("loop", ["repeat", "while_loop"])
+def test_reverse_mode_over_no_samples(loop, checkpoints):
+    """``grad`` of ``vmap`` of a loop over a batch of zero samples: zero gradients, as a plain
+    loop over no samples gives (it raised "zero-size array to reduction" once)."""
+    W = jnp.eye(3)
+    xs, ds = jnp.ones((0, 3)), jnp.zeros((0,), jnp.int32)
+
+    def one(W, x, d):
+        step = lambda c: jnp.tanh(c @ W)  # noqa: E731
+        if loop == "repeat":
+            return dd.repeat(step, x, d, max_depth=5, checkpoints=checkpoints)
+        return dd.while_loop(lambda c: c[0] < 1, step, x, max_steps=5, checkpoints=checkpoints)
+
+    grad = jax.grad(lambda W: jnp.sum(jax.vmap(lambda x, d: one(W, x, d))(xs, ds)))(W)
+    np.testing.assert_array_equal(grad, jnp.zeros_like(W))

@@ -131,7 +131,7 @@ def backward(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, steps, ct
     S = _store.max_stride(loop)
     vstep = loop.vstep(c_axes, B)
     nseg = (steps + stride - 1) // stride
-    rounds = jnp.max(nseg)
+    rounds = jnp.max(nseg, initial=0)
 
     def reverse_step(s, idx, state_c, act):
         x = gather_rows(xs, idx)
@@ -193,12 +193,13 @@ def backward_iterations(loop: Loop, steps: jax.Array, stride: jax.Array) -> jax.
         return jnp.sum(played.astype(jnp.int32))
     inner, sub = recompute_slots(S)
     if not sub:
-        return jnp.sum(jnp.where(played, _unwound(jnp.max(length, axis=1)), 0))
+        return jnp.sum(jnp.where(played, _unwound(jnp.max(length, axis=1, initial=0)), 0))
     nsub = (length + inner - 1) // inner
-    first = jnp.max((nsub - 1) * inner, axis=1)  # the sub-checkpoints' recompute
+    first = jnp.max((nsub - 1) * inner, axis=1, initial=0)  # the sub-checkpoints' recompute
     q = jnp.arange(S // inner)[:, None, None]
     sub_len = jnp.clip(length[None] - q * inner, 0, inner)
-    subs = jnp.where(q[:, :, 0] < jnp.max(nsub, axis=1)[None], _unwound(jnp.max(sub_len, 2)), 0)
+    longest = jnp.max(nsub, axis=1, initial=0)[None]
+    subs = jnp.where(q[:, :, 0] < longest, _unwound(jnp.max(sub_len, 2, initial=0)), 0)
     return jnp.sum(jnp.where(played, jnp.maximum(first, 0) + jnp.sum(subs, axis=0), 0))
 
 
@@ -235,7 +236,7 @@ def _two_level(loop: Loop, vstep, consts, xs, kd, s, start, length, c0, reverse_
     lb1 = [b.at[:, 0].set(c) for b, c in zip(s.pop("lb1"), c0, strict=True)]
     nsub = (length + inner - 1) // inner
     lb1 = _recompute(vstep, loop, consts, xs, kd, start, length, c0, lb1, inner,
-                     jnp.max((nsub - 1) * inner) + 1)  # fmt: skip
+                     jnp.max((nsub - 1) * inner, initial=0) + 1)  # fmt: skip
 
     def sub_segment(qs):
         q, s = qs
@@ -245,7 +246,7 @@ def _two_level(loop: Loop, vstep, consts, xs, kd, s, start, length, c0, reverse_
                                   c0q, reverse_step)  # fmt: skip
         return q - 1, s
 
-    s = _vma.while_loop(lambda qs: qs[0] >= 0, sub_segment, (jnp.max(nsub) - 1, s))[1]
+    s = _vma.while_loop(lambda qs: qs[0] >= 0, sub_segment, (jnp.max(nsub, initial=0) - 1, s))[1]
     return dict(s, lb1=lb1)
 
 
@@ -256,7 +257,7 @@ def _recompute_and_unwind(loop: Loop, vstep, consts, xs, kd, s, start, length, c
     B = length.shape[0]
     s = dict(s)
     lb0 = [b.at[:, 0].set(c) for b, c in zip(s.pop("lb"), c0, strict=True)]
-    tmax = jnp.max(length)
+    tmax = jnp.max(length, initial=0)
     lb = _recompute(vstep, loop, consts, xs, kd, start, length, c0, lb0, 1, tmax)
 
     def unwind(us):

@@ -106,7 +106,8 @@ class Lockstep:
             return Slots(None, t, t < self.lengths)
         # A sample already done reads its step 0; one with no steps, a sample's that has some.
         stepped = self.lengths > 0
-        src = jnp.where(stepped, jnp.arange(self.slots), jnp.argmax(stepped))
+        some = jnp.argmax(stepped) if self.slots else 0  # (argmax of no samples raises)
+        src = jnp.where(stepped, jnp.arange(self.slots), some)
         i = jnp.maximum(self.lengths.at[src].get(mode="promise_in_bounds") - 1 - t, 0)
         return Slots(None, i, t < self.lengths, read=src)
 
@@ -153,7 +154,7 @@ class Wrap:
         # The next sample with steps; past the last one, the last one (an idle slot then reads
         # the inputs of a step that sample took).
         has = jnp.where(length > 0, jnp.arange(B, dtype=jnp.int32), B)
-        last = jnp.maximum(jnp.max(jnp.where(length > 0, jnp.arange(B), 0)), 0)
+        last = jnp.maximum(jnp.max(jnp.where(length > 0, jnp.arange(B), 0), initial=0), 0)
         after = jnp.concatenate([jax.lax.cummin(has[::-1])[::-1][1:], jnp.full((1,), B)])
         after = jnp.where(after >= B, last, after)
         # The sample holding each slot's first position: the count of samples ending at or

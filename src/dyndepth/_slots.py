@@ -127,7 +127,7 @@ def iterations(total: jax.Array, longest: jax.Array, slots: int) -> jax.Array:
 
 def executed_steps(lengths: jax.Array, slots: int) -> jax.Array:
     """Sample-steps the wrap-around schedule executes with ``slots`` slots: ``slots x C``."""
-    return slots * iterations(jnp.sum(lengths), jnp.max(lengths), slots)
+    return slots * iterations(jnp.sum(lengths), jnp.max(lengths, initial=0), slots)
 
 
 def modeled_time(total: jax.Array, longest: jax.Array, slots: int, fixed_rows: float):
@@ -139,7 +139,7 @@ def choose_by_time(lengths: jax.Array, candidates: tuple[int, ...], fixed_rows: 
     """Index into ``candidates`` (descending) of the slot count of least modeled time (the
     first, so the most slots, among equals)."""
     lengths = lengths.astype(jnp.int32)
-    total, longest = jnp.sum(lengths), jnp.max(lengths)
+    total, longest = jnp.sum(lengths), jnp.max(lengths, initial=0)
     times = jnp.stack([modeled_time(total, longest, c, fixed_rows) for c in candidates])
     return jnp.argmin(times).astype(jnp.int32)
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Counter
+from helpers import Counter, run_on_eight_devices
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -114,3 +114,68 @@ def test_reverse_mode_over_no_samples(loop, checkpoints):
 
     grad = jax.grad(lambda W: jnp.sum(jax.vmap(lambda x, d: one(W, x, d))(xs, ds)))(W)
     np.testing.assert_array_equal(grad, jnp.zeros_like(W))
+
+
+@pytest.mark.parametrize("checkpoints", [None, 8])
+def test_shared_inputs_are_not_copied_per_sample(checkpoints):
+    """value_and_grad of ``vmap`` of loops whose per-step inputs the batch shares: a scan's
+    ``xs`` and ``with_index``'s step index stay one copy for the batch, whatever backward pass
+    runs (they were broadcast per sample: B x xs bytes)."""
+    B, T, D = 64, 1000, 1024
+    xs = jnp.full((T, D), 1e-3)
+    init = jnp.ones((B, D))
+    ds = jnp.arange(B) * 15
+
+    def scan_loss(init):
+        step = lambda c, x: (c * 0.99 + jnp.sin(x), None)  # noqa: E731
+        one = lambda c, d: dd.scan(step, c, xs, depth=d, length=T, checkpoints=checkpoints)[0]  # noqa: E731
+        return jnp.sum(jax.vmap(one)(init, ds) ** 2)
+
+    def index_loss(init):
+        step = lambda i, c: c * 0.99 + jnp.sin(i.astype(c.dtype))  # noqa: E731
+        one = lambda c, d: dd.repeat(step, c, d, max_depth=100_000, with_index=True,  # noqa: E731
+                                     checkpoints=checkpoints)  # fmt: skip
+        return jnp.sum(jax.vmap(one)(init[:, :4], ds) ** 2)
+
+    scan_temp = jax.jit(jax.grad(scan_loss)).lower(init).compile().memory_analysis()
+    assert scan_temp.temp_size_in_bytes < 8 * xs.nbytes, scan_temp.temp_size_in_bytes
+    index_temp = jax.jit(jax.grad(index_loss)).lower(init).compile().memory_analysis()
+    assert index_temp.temp_size_in_bytes < B * 100_000 * 4 / 8, index_temp.temp_size_in_bytes
+
+
+THINNED_ON_MESH = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import dyndepth as dd
+
+mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+W = jnp.eye(4) * 0.5 + 0.1
+depths = np.arange(16) % 7
+errors = []
+with jax.set_mesh(mesh):
+    xs = jax.device_put(jnp.ones((16, 4)), NamedSharding(mesh, P("data")))
+    for K in (2, None):
+        for shared in (True, False):
+            d = jnp.asarray(5) if shared else jax.device_put(jnp.asarray(depths),
+                                                             NamedSharding(mesh, P("data")))
+            def loss(W, xs, d=d, K=K, shared=shared):
+                one = lambda x, d: dd.repeat(lambda c: jnp.tanh(c @ W), x, d, max_depth=300,
+                                             checkpoints=K)
+                return jnp.sum(jax.vmap(one, in_axes=(0, None if shared else 0))(xs, d) ** 2)
+            got = jax.jit(jax.grad(loss))(W, xs)
+            def plain(W, n):
+                out = jax.lax.fori_loop(0, n, lambda _, c: jnp.tanh(c @ W), jnp.ones(4))
+                return jnp.sum(out ** 2)
+            want = sum(jax.grad(plain)(W, 5 if shared else int(n)) for n in depths)
+            errors.append(float(jnp.max(jnp.abs(got - want))))
+print("RESULT" + json.dumps(errors))
+"""
+
+
+def test_thinned_checkpoints_on_an_explicit_mesh():
+    """A batch split over an ``Explicit`` mesh's ``data`` axis, thinned checkpoints (given, or
+    chosen for ``max_depth`` 300), one depth for the batch or one per sample: the gradient of a
+    plain loop (it raised ShardingTypeError with one depth for the batch)."""
+    errors = run_on_eight_devices(THINNED_ON_MESH)
+    assert max(errors) < 1e-5, errors

@@ -120,21 +120,29 @@ def const_accumulators(pert: Perturbed, consts, c_axes, B, per_row):
 
 
 def backward(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, steps, ct_carry, ct_ys,
-             *, per_row=False):  # fmt: skip
+             *, per_row=False, x_axes=None):  # fmt: skip
     """The reverse sweep of :func:`forward` from its stored carries. ``ct_carry``/``ct_ys``
     hold the perturbed leaves only.
 
     Returns cotangents ``(consts, init, xs)`` of the perturbed leaves (a shared const's summed
-    over the rows, or per row with ``per_row``)."""
+    over the rows, or per row with ``per_row``). ``x_axes``: per xs leaf, 0 (a row axis, the
+    default) or None (shared by the rows, read at each row's step, never broadcast)."""
     buf, stride = res
     B = steps.shape[0]
     S = _store.max_stride(loop)
+    x_axes = [0] * len(xs) if x_axes is None else x_axes
+
+    def xs_at(idx):
+        shared = lambda x: x.at[jnp.clip(idx, 0, x.shape[0] - 1)].get()  # noqa: E731
+        return [gather_rows([x], idx)[0] if ax == 0 else shared(x)
+                for x, ax in zip(xs, x_axes, strict=True)]  # fmt: skip
+
     vstep = loop.vstep(c_axes, B)
     nseg = (steps + stride - 1) // stride
     rounds = jnp.max(nseg, initial=0)
 
     def reverse_step(s, idx, state_c, act):
-        x = gather_rows(xs, idx)
+        x = xs_at(idx)
         ct_y = gather_rows(ct_ys, idx)
         g_k, g_c, g_x = rows_vjp(loop, pert, consts, c_axes, state_c, x, loop.key_at(kd, idx),
                                  s["ct"], ct_y, act, per_row=per_row)  # fmt: skip
@@ -148,7 +156,7 @@ def backward(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, steps, ct
         r=jnp.zeros((), jnp.int32),
         ct=list(ct_carry),
         acc=const_accumulators(pert, consts, c_axes, B, per_row),
-        ct_xs=[jnp.zeros_like(a) for a in take(xs, pert.xs)],
+        ct_xs=[jnp.zeros_like(a) for a in take(xs, pert.xs)],  # (perturbed xs have a row axis)
     )
     # One segment's recomputed carries, allocated once for every segment; a long segment
     # recomputes its sub-checkpoints first (``lb1``), then each sub-segment into ``lb``.
@@ -167,10 +175,10 @@ def backward(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, steps, ct
         if S == 1:
             s = reverse_step(s, start, c0, seg_act)
         elif not sub:
-            s = _recompute_and_unwind(loop, vstep, consts, xs, kd, s, start, length, c0,
+            s = _recompute_and_unwind(loop, vstep, consts, xs_at, kd, s, start, length, c0,
                                       reverse_step)  # fmt: skip
         else:
-            s = _two_level(loop, vstep, consts, xs, kd, s, start, length, c0, reverse_step)
+            s = _two_level(loop, vstep, consts, xs_at, kd, s, start, length, c0, reverse_step)
         s = dict(s)
         s["r"] = s["r"] + 1
         return s
@@ -208,7 +216,7 @@ def _unwound(tmax: jax.Array) -> jax.Array:
     return jnp.where(tmax > 0, 2 * tmax - 1, 0)
 
 
-def _recompute(vstep, loop: Loop, consts, xs, kd, start, length, c0, buf, every: int, upto):
+def _recompute(vstep, loop: Loop, consts, xs_at, kd, start, length, c0, buf, every: int, upto):
     """Run the steps ``start + t - 1`` for ``t`` in ``[1, upto)`` from ``c0`` (rows with
     ``t < length``), storing the carry before step ``start + t`` in ``buf[:, t // every]``
     where ``every`` divides ``t``."""
@@ -218,7 +226,7 @@ def _recompute(vstep, loop: Loop, consts, xs, kd, start, length, c0, buf, every:
         t, c, b = rs
         act = t < length
         idx = start + t - 1
-        new_c, _ = vstep(consts, c, gather_rows(xs, idx), loop.key_at(kd, idx))
+        new_c, _ = vstep(consts, c, xs_at(idx), loop.key_at(kd, idx))
         c = where_rows(act, new_c, c)
         b = scatter_rows(b, jnp.broadcast_to(t // every, (B,)), c, act & (t % every == 0))
         return t + 1, c, b
@@ -226,7 +234,7 @@ def _recompute(vstep, loop: Loop, consts, xs, kd, start, length, c0, buf, every:
     return _vma.while_loop(lambda rs: rs[0] < upto, body, (jnp.ones((), jnp.int32), c0, buf))[2]
 
 
-def _two_level(loop: Loop, vstep, consts, xs, kd, s, start, length, c0, reverse_step):
+def _two_level(loop: Loop, vstep, consts, xs_at, kd, s, start, length, c0, reverse_step):
     """One segment as :func:`_recompute_and_unwind` does it, in two levels: its carries every
     ``inner`` steps into ``s["lb1"]``, then each sub-segment of ``inner`` steps, last first,
     recomputed into ``s["lb"]`` and unwound (one more forward pass over the segment, for a
@@ -235,14 +243,14 @@ def _two_level(loop: Loop, vstep, consts, xs, kd, s, start, length, c0, reverse_
     s = dict(s)
     lb1 = [b.at[:, 0].set(c) for b, c in zip(s.pop("lb1"), c0, strict=True)]
     nsub = (length + inner - 1) // inner
-    lb1 = _recompute(vstep, loop, consts, xs, kd, start, length, c0, lb1, inner,
+    lb1 = _recompute(vstep, loop, consts, xs_at, kd, start, length, c0, lb1, inner,
                      jnp.max((nsub - 1) * inner, initial=0) + 1)  # fmt: skip
 
     def sub_segment(qs):
         q, s = qs
         sub_len = jnp.clip(length - q * inner, 0, inner)
         c0q = gather_rows(lb1, jnp.broadcast_to(q, length.shape))
-        s = _recompute_and_unwind(loop, vstep, consts, xs, kd, s, start + q * inner, sub_len,
+        s = _recompute_and_unwind(loop, vstep, consts, xs_at, kd, s, start + q * inner, sub_len,
                                   c0q, reverse_step)  # fmt: skip
         return q - 1, s
 
@@ -250,7 +258,7 @@ def _two_level(loop: Loop, vstep, consts, xs, kd, s, start, length, c0, reverse_
     return dict(s, lb1=lb1)
 
 
-def _recompute_and_unwind(loop: Loop, vstep, consts, xs, kd, s, start, length, c0, reverse_step):
+def _recompute_and_unwind(loop: Loop, vstep, consts, xs_at, kd, s, start, length, c0, reverse_step):
     """Recompute one segment's carries from its checkpoint ``c0`` into the buffer ``s["lb"]``,
     then apply the reverse steps over it, last step first (a segment reads only the positions
     it wrote, so the buffer is never cleared)."""
@@ -258,7 +266,7 @@ def _recompute_and_unwind(loop: Loop, vstep, consts, xs, kd, s, start, length, c
     s = dict(s)
     lb0 = [b.at[:, 0].set(c) for b, c in zip(s.pop("lb"), c0, strict=True)]
     tmax = jnp.max(length, initial=0)
-    lb = _recompute(vstep, loop, consts, xs, kd, start, length, c0, lb0, 1, tmax)
+    lb = _recompute(vstep, loop, consts, xs_at, kd, start, length, c0, lb0, 1, tmax)
 
     def unwind(us):
         t, s = us

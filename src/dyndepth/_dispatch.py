@@ -433,9 +433,9 @@ def _backward_kernel(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes, x_ax
         return scheduled()
 
     def two_level():
-        xs = broadcast_rows(ops.xs, [ax == 0 for ax in x_axes], rows)
-        return _batched.backward(loop, pert, ops.consts, c_axes, xs, ops.kd,
-                                 (ops.res.stored.buf, ops.res.stored.stride), steps,
-                                 ops.ct_carry, ops.ct_ys, per_row=per_row)  # fmt: skip
+        stored = (ops.res.stored.buf, ops.res.stored.stride)
+        return _batched.backward(loop, pert, ops.consts, c_axes, ops.xs, ops.kd, stored, steps,
+                                 ops.ct_carry, ops.ct_ys, per_row=per_row,
+                                 x_axes=x_axes)  # fmt: skip
 
     return tuple(_vma.cond(plan.fits, scheduled, two_level))

@@ -406,7 +406,8 @@ class _BackwardPlan:
         if self.rule is None:
             S = jnp.asarray(rows, jnp.int32)
         else:
-            S = jnp.asarray(self.rule.candidates, jnp.int32)[self.rule.choose(self.units)]
+            pick = self.rule.choose(self.units)
+            S = sum(jnp.where(pick == k, c, 0) for k, c in enumerate(self.rule.candidates))
         its = _slots.iterations(jnp.sum(self.units), jnp.max(self.units, initial=0), S)
         if self.fits is None:
             return its, its * S

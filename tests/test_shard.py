@@ -400,7 +400,10 @@ TWO_D_SCRIPT = textwrap.dedent(
         found = []
         for _, comp in loop_computations(hlo):
             for line in comp.splitlines():
-                if re.search(r"all-reduce|all-gather|collective-permute|all-to-all", line):
+                # (an instruction that is a collective, not one that reads a collective's result)
+                op = re.search(r"= [^=]*? (all-reduce|all-gather|collective-permute|all-to-all)"
+                               r"(-start)?\\(", line)
+                if op:
                     found.append(replica_groups(line))
         return found
 

@@ -179,3 +179,28 @@ def test_thinned_checkpoints_on_an_explicit_mesh():
     plain loop (it raised ShardingTypeError with one depth for the batch)."""
     errors = run_on_eight_devices(THINNED_ON_MESH)
     assert max(errors) < 1e-5, errors
+
+
+def test_continuous_refill_under_x64():
+    """``jax_enable_x64`` with a vmapped ``while_loop`` in fewer slots than samples: the
+    refill's counters keep their types, values and gradients those of a plain loop (an
+    internal counter once turned int64)."""
+    jax.config.update("jax_enable_x64", True)  # (with JAX's standard promotion, as users run)
+    jax.config.update("jax_numpy_dtype_promotion", "standard")
+    try:
+        W = jnp.eye(3, dtype=jnp.float64) * 0.5
+        xs = jnp.arange(24.0).reshape(8, 3) / 30
+
+        def loss(W, slots):
+            one = lambda x: dd.while_loop(lambda c: c[0] < 1, lambda c: jnp.tanh(c @ W) + 0.3,  # noqa: E731
+                                          x, max_steps=9, slots=slots)  # fmt: skip
+            return jnp.sum(jax.vmap(one)(xs) ** 2)
+
+        got = jax.jit(jax.value_and_grad(loss), static_argnums=1)(W, 2)
+        want = jax.jit(jax.value_and_grad(loss), static_argnums=1)(W, 8)
+        assert got[1].dtype == jnp.float64
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-12)
+        np.testing.assert_allclose(got[1], want[1], rtol=1e-10)
+    finally:
+        jax.config.update("jax_enable_x64", False)
+        jax.config.update("jax_numpy_dtype_promotion", "strict")

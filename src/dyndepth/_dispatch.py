@@ -268,7 +268,7 @@ def _refill_order(loop: Loop, ops: LoopOperands, axes: LoopOperands, holds) -> t
                         axis_size=B)(ops.cconsts, list(ops.init))  # fmt: skip
         # (sorting puts NaNs last, after every number)
         order = jnp.lexsort((jnp.arange(B), -prio, no_work))
-    return order.astype(jnp.int32), jnp.sum(has.astype(jnp.int32))
+    return order.astype(jnp.int32), jnp.sum(has, dtype=jnp.int32)
 
 
 def _shared_steps(steps):

@@ -245,7 +245,7 @@ class Refill:
         return dict(
             b=first,
             i=jnp.zeros((self.slots,), jnp.int32),
-            live=jnp.arange(self.slots) < self.pending,
+            live=jnp.arange(self.slots, dtype=jnp.int32) < self.pending,
             next=jnp.asarray(self.slots, jnp.int32),
             steps=jnp.zeros((B,), jnp.int32),
         )
@@ -265,7 +265,7 @@ class Refill:
         done = live & stop
         steps = state["steps"].at[jnp.where(done, b, self.bound.shape[0])].set(i, mode="drop")
         # The freed slots take the next pending samples, in order.
-        pos = state["next"] + jnp.cumsum(done.astype(jnp.int32)) - 1
+        pos = state["next"] + jnp.cumsum(done, dtype=jnp.int32) - 1
         take = done & (pos < self.pending)
         new_b = self.order.at[jnp.minimum(pos, self.order.shape[0] - 1)].get(
             mode="promise_in_bounds"
@@ -274,7 +274,7 @@ class Refill:
             b=jnp.where(take, new_b, b),
             i=jnp.where(done, 0, i),
             live=jnp.where(done, take, live),
-            next=state["next"] + jnp.sum(done.astype(jnp.int32)),
+            next=state["next"] + jnp.sum(done, dtype=jnp.int32),
             steps=steps,
         )
 

@@ -21,8 +21,10 @@ from . import _sharding, _store, _vma
 from ._budget import recompute_slots
 from ._derivative import Perturbed
 from ._leaves import (
+    at_index,
     gather_rows,
     merge,
+    put_index,
     rows_mask,
     scatter_rows,
     take,
@@ -161,12 +163,14 @@ def backward(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, steps, ct
         ct_xs=[jnp.zeros_like(a) for a in take(xs, pert.xs)],  # (perturbed xs have a row axis)
     )
     # One segment's recomputed carries, allocated once for every segment; a long segment
-    # recomputes its sub-checkpoints first (``lb1``), then each sub-segment into ``lb``.
+    # recomputes its sub-checkpoints first (``lb1``), then each sub-segment into ``lb``. Both
+    # are step-major, (position, row, ...): every row writes and reads one shared position
+    # per iteration, a contiguous slice.
     inner, sub = recompute_slots(S)
     if S > 1:
-        state["lb"] = [_sharding.zeros((B, inner), a) for a in loop.carry_avals]
+        state["lb"] = [_sharding.zeros((inner, B), a) for a in loop.carry_avals]
     if sub:
-        state["lb1"] = [_sharding.zeros((B, sub), a) for a in loop.carry_avals]
+        state["lb1"] = [_sharding.zeros((sub, B), a) for a in loop.carry_avals]
 
     def segment_body(s):
         j = nseg - 1 - s["r"]
@@ -220,9 +224,8 @@ def _unwound(tmax: jax.Array) -> jax.Array:
 
 def _recompute(vstep, loop: Loop, consts, xs_at, kd, start, length, c0, buf, every: int, upto):
     """Run the steps ``start + t - 1`` for ``t`` in ``[1, upto)`` from ``c0`` (rows with
-    ``t < length``), storing the carry before step ``start + t`` in ``buf[:, t // every]``
-    where ``every`` divides ``t``."""
-    B = length.shape[0]
+    ``t < length``), storing the carry before step ``start + t`` in ``buf[t // every]`` where
+    ``every`` divides ``t``."""
 
     def body(rs):
         t, c, b = rs
@@ -230,7 +233,7 @@ def _recompute(vstep, loop: Loop, consts, xs_at, kd, start, length, c0, buf, eve
         idx = start + t - 1
         new_c, _ = vstep(consts, c, xs_at(idx), loop.key_at(kd, idx))
         c = where_rows(act, new_c, c)
-        b = scatter_rows(b, jnp.broadcast_to(t // every, (B,)), c, act & (t % every == 0))
+        b = put_index(b, t // every, c, act & (t % every == 0))
         return t + 1, c, b
 
     return _vma.while_loop(lambda rs: rs[0] < upto, body, (jnp.ones((), jnp.int32), c0, buf))[2]
@@ -241,9 +244,9 @@ def _two_level(loop: Loop, vstep, consts, xs_at, kd, s, start, length, c0, rever
     ``inner`` steps into ``s["lb1"]``, then each sub-segment of ``inner`` steps, last first,
     recomputed into ``s["lb"]`` and unwound (one more forward pass over the segment, for a
     buffer of ``sqrt``-size pieces instead of one as long as the segment)."""
-    inner = s["lb"][0].shape[1]
+    inner = s["lb"][0].shape[0]
     s = dict(s)
-    lb1 = [b.at[:, 0].set(c) for b, c in zip(s.pop("lb1"), c0, strict=True)]
+    lb1 = put_index(s.pop("lb1"), 0, c0)
     nsub = (length + inner - 1) // inner
     lb1 = _recompute(vstep, loop, consts, xs_at, kd, start, length, c0, lb1, inner,
                      jnp.max((nsub - 1) * inner, initial=0) + 1)  # fmt: skip
@@ -251,7 +254,7 @@ def _two_level(loop: Loop, vstep, consts, xs_at, kd, s, start, length, c0, rever
     def sub_segment(qs):
         q, s = qs
         sub_len = jnp.clip(length - q * inner, 0, inner)
-        c0q = gather_rows(lb1, jnp.broadcast_to(q, length.shape))
+        c0q = at_index(lb1, q)
         s = _recompute_and_unwind(loop, vstep, consts, xs_at, kd, s, start + q * inner, sub_len,
                                   c0q, reverse_step)  # fmt: skip
         return q - 1, s
@@ -264,15 +267,14 @@ def _recompute_and_unwind(loop: Loop, vstep, consts, xs_at, kd, s, start, length
     """Recompute one segment's carries from its checkpoint ``c0`` into the buffer ``s["lb"]``,
     then apply the reverse steps over it, last step first (a segment reads only the positions
     it wrote, so the buffer is never cleared)."""
-    B = length.shape[0]
     s = dict(s)
-    lb0 = [b.at[:, 0].set(c) for b, c in zip(s.pop("lb"), c0, strict=True)]
+    lb0 = put_index(s.pop("lb"), 0, c0)
     tmax = jnp.max(length, initial=0)
     lb = _recompute(vstep, loop, consts, xs_at, kd, start, length, c0, lb0, 1, tmax)
 
     def unwind(us):
         t, s = us
-        state_c = gather_rows(lb, jnp.broadcast_to(t, (B,)))
+        state_c = at_index(lb, t)
         return t - 1, reverse_step(s, start + t, state_c, t < length)
 
     s = _vma.while_loop(lambda us: us[0] >= 0, unwind, (tmax - 1, s))[1]

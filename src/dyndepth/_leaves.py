@@ -51,13 +51,12 @@ def gather_rows(bufs: Sequence[Any], idx: jax.Array) -> Leaves:
 
 
 def scatter_rows(bufs: Sequence[Any], idx: jax.Array, vals: Sequence[Any], mask) -> Leaves:
-    """``buf[b, idx[b]] = val[b]`` where ``mask[b]``; other rows keep their contents."""
-
-    def one(buf, i, v, m):
-        old = lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
-        return lax.dynamic_update_index_in_dim(buf, jnp.where(m, v, old), i, 0)
-
-    return [jax.vmap(one)(buf, idx, v, mask) for buf, v in zip(bufs, vals, strict=True)]
+    """``buf[b, idx[b]] = val[b]`` where ``mask[b]``; other rows keep their contents. (One
+    scatter whose masked rows point past the end, not a ``vmap`` of dynamic updates: a TPU
+    runs that form about 20 times slower.)"""
+    rows = jnp.arange(mask.shape[0])
+    drop = jnp.where(mask, rows, mask.shape[0])
+    return [b.at[drop, idx].set(v, mode="drop") for b, v in zip(bufs, vals, strict=True)]
 
 
 def column(bufs: Sequence[Any], j: jax.Array) -> Leaves:
@@ -74,12 +73,16 @@ def put_column(bufs: Sequence[Any], j: jax.Array, vals: Sequence[Any], mask) -> 
 
 
 def at_index(bufs: Sequence[Any], i: jax.Array) -> Leaves:
-    """``buf[i]`` for every buffer (no batch axis)."""
+    """``buf[i]`` for every buffer (no batch axis, or a step-major one: ``(T, B, ...)``)."""
     return [lax.dynamic_index_in_dim(b, i, 0, keepdims=False) for b in bufs]
 
 
-def put_index(bufs: Sequence[Any], i: jax.Array, vals: Sequence[Any]) -> Leaves:
-    """``buf[i] = val`` for every buffer (no batch axis)."""
+def put_index(bufs: Sequence[Any], i: jax.Array, vals: Sequence[Any], mask=None) -> Leaves:
+    """``buf[i] = val`` for every buffer (no batch axis); with a (B,) ``mask``, of a step-major
+    ``(T, B, ...)`` buffer, only the rows where it holds (a dynamic update of one contiguous
+    slice: what a TPU writes fastest, about 10 times a scatter of the same rows)."""
+    if mask is not None:
+        vals = where_rows(mask, vals, at_index(bufs, i))
     return [lax.dynamic_update_index_in_dim(b, v, i, 0) for b, v in zip(bufs, vals, strict=True)]
 
 

@@ -9,12 +9,15 @@ kernels are lowered whatever the time model would choose on the target.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 import dyndepth as dd
 import dyndepth.nn as dnn
+from dyndepth import _cost as dd_cost
 
 PLATFORMS = ("tpu", "cuda", "rocm")
 B, D, M = 4, 3, 5  # batch, width, max depth
@@ -178,3 +181,34 @@ def test_profiles_name_the_loops():
     text = jax.jit(jax.grad(loss)).lower(W).as_text(debug_info=True)
     for scope in ("dyndepth_forward", "dyndepth_backward", "dyndepth_slots_8"):
         assert scope in text, scope
+
+
+def test_slot_counts_follow_the_lowering_platform():
+    """A program lowered for another platform than the host's takes that platform's time
+    model: here the host's iteration is free (every slot count a candidate, one branch each)
+    and the TPU's costs a second (lockstep alone: no branch)."""
+    W = jnp.eye(4) * 0.5
+    xs = jnp.ones((64, 4))
+    depths = jnp.arange(64) % 7
+
+    def loss(W):
+        one = lambda x, d: dd.repeat(lambda c: jnp.tanh(c @ W), x, d, max_depth=8)  # noqa: E731
+        return jnp.sum(jax.vmap(one)(xs, depths))
+
+    host = dd_cost.backend_cost("cpu")
+    free = dd.IterationCost(fixed_seconds=0.0, flops_per_second=1e12, row_floor_seconds=1e-9)
+    dear = dd.IterationCost(fixed_seconds=1.0, flops_per_second=1e12, row_floor_seconds=1e-9)
+    dd.set_iteration_cost("cpu", free)
+    dd.set_iteration_cost("tpu", dear)
+    try:
+        traced = jax.jit(jax.grad(loss)).trace(W)
+        branches = {
+            platform: set(re.findall(r"dyndepth_slots_\d+", lowered.as_text(debug_info=True)))
+            for platform in ("tpu", "cpu")
+            for lowered in [traced.lower(lowering_platforms=(platform,))]
+        }
+    finally:
+        dd.set_iteration_cost("tpu", None)
+        dd.set_iteration_cost("cpu", host)
+    assert branches["tpu"] == set(), branches
+    assert len(branches["cpu"]) >= 3, branches

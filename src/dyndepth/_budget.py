@@ -23,7 +23,6 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-import jax
 import numpy as np
 
 from . import _cost
@@ -107,7 +106,7 @@ def checkpoints_for(loop: Loop, rows: int, platform: str | None = None) -> int |
 
 def _recompute_is_cheaper(loop: Loop, carry_bytes: int, platform: str | None) -> bool:
     cost = _cost.backend_cost(platform)
-    rate = FRESH_BYTES_PER_SECOND.get(platform or jax.default_backend(), math.inf)
+    rate = FRESH_BYTES_PER_SECOND.get(platform or _cost.current_platform(), math.inf)
     flops = _cost.jaxpr_flops(loop.step_jaxpr.jaxpr)
     row = max(flops / cost.flops_per_second, cost.row_floor_seconds)
     return carry_bytes / rate > RECOMPUTE_ROWS * row

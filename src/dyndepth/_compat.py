@@ -48,6 +48,7 @@ PRIVATE: dict[str, tuple[str, ...]] = {
     "eqn_manager": ("ctx", "manager"),  # of a jaxpr equation
     "bind_params": ("get_bind_params",),  # of a primitive
     "for_export": ("module_context", "lowering_parameters", "for_export"),  # of a ctx
+    "platforms": ("module_context", "platforms"),  # of a ctx
     "trace_context": ("trace_context",),  # of jax._src.config
 }
 
@@ -144,6 +145,14 @@ def bind_equation(eqn: Any, invals: list, rewrite: Callable[[dict], dict],
         out = inline(jaxpr, consts, list(invals))
         return out if primitive.multiple_results else out[0]
     return primitive.bind(*invals, **rewrite(dict(eqn.params)))
+
+
+def lowering_platform(ctx: Any) -> str | None:
+    """The platform (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``) a lowering rule's module is
+    lowered for; None when it is lowered for several at once (``jax.export``) or the lowering
+    context does not say."""
+    platforms = _private(ctx, "platforms")
+    return platforms[0] if platforms is not None and len(platforms) == 1 else None
 
 
 def lowered_for_export(ctx: Any) -> bool:

@@ -17,15 +17,29 @@ the project's 2-core machine (width 64, ``benchmarks/slot_sweep.py``: about 20).
 which an iteration reads the shared operands: on the CPU fitted to a width-256 step's forward
 iteration, about 20 us whatever its rows for 256 KiB of weights (``measure_iteration_cost``
 fits it too); on the GPU the H200's memory bandwidth, rounded down from its nominal 4.8 TB/s,
-not measured. TPUs were not measured; they take the GPU's constants.
+not measured. TPUs take the GPU's constants. On one TPU v5e, ``measure_iteration_cost`` gave a
+fixed 3.3-3.9 us, rates of 1.7-1.8 TFLOP/s at width 256 and 16-19 at width 1024, and weights
+read at 62-790 GB/s (``benchmarks/tpu.py``, 2026-12-05); with those constants the time rule
+chose the wrap-around schedule on uniform depths where lockstep ran 1.7x faster (a scheduled
+iteration moves each row's data in and out of its slot, which the model does not count and
+which costs more on a TPU than the fixed part it measures), and the GPU's constants chose the
+faster count on both workloads timed there.
+
+The constants are those of the platform a program is lowered for (:func:`current_platform`):
+a program lowered for a TPU on a CPU host (``lowering_platforms=("tpu",)``, or a deviceless
+compile for a TPU topology) gets the TPU's slot counts. The checkpoint count chosen under the
+stored-carry budget is decided earlier, when the loop is traced, from the default backend's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import warnings
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -72,11 +86,34 @@ BACKEND_COSTS: dict[str, IterationCost] = {
 _DEFAULTS = dict(BACKEND_COSTS)
 
 
+# Set while a loop's kernel is traced for a lowering to one platform (see lowering_for).
+_LOWERING_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "dyndepth_lowering_platform", default=None
+)
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str | None) -> Iterator[None]:
+    """While a kernel is traced for a program lowered for ``platform`` (None: unknown, or
+    several): the time model is that platform's, not the host's (a program lowered for a TPU
+    on a CPU host gets the TPU's slot counts)."""
+    token = _LOWERING_PLATFORM.set(platform)
+    try:
+        yield
+    finally:
+        _LOWERING_PLATFORM.reset(token)
+
+
+def current_platform() -> str:
+    """The platform whose costs apply here: the one being lowered for, else the default
+    backend's."""
+    return _LOWERING_PLATFORM.get() or jax.default_backend()
+
+
 def backend_cost(platform: str | None = None) -> IterationCost:
-    """The costs of ``platform`` (the default backend's when None; an unknown one takes the
-    GPU's: an accelerator pays per iteration)."""
-    platform = jax.default_backend() if platform is None else platform
-    return BACKEND_COSTS.get(platform, _GPU)
+    """The costs of ``platform`` (:func:`current_platform`'s when None; an unknown one takes
+    the GPU's: an accelerator pays per iteration)."""
+    return BACKEND_COSTS.get(platform or current_platform(), _GPU)
 
 
 def set_iteration_cost(platform: str, cost: IterationCost | None) -> None:

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive, jaxpr_as_fun
 from jax.interpreters import ad, batching, mlir
 
-from . import _batched, _dispatch, _per_device, _second_order, _sharding, _vma
+from . import _batched, _compat, _cost, _dispatch, _per_device, _second_order, _sharding, _vma
 from ._derivative import Perturbed, const_order, jvp_loop, perturbation
 from ._dispatch import Batch, Level
 from ._keys import mixed_draws
@@ -122,10 +122,11 @@ _KERNEL_FNS = {"loop": _forward_kernel, "bwd": _backward_kernel, "dbwd": _second
 
 def _kernel_jaxpr(kind: str, params: dict, avals: tuple, partitioned: bool = False):
     """The kernel of ``kind`` traced for these parameters and input types (cached); with
-    ``partitioned``, its batched loops take part in XLA's partitioning (one per device)."""
+    ``partitioned``, its batched loops take part in XLA's partitioning (one per device). Its
+    slot counts follow the time model of the platform being lowered for."""
     table = _KERNELS.setdefault(params["loop"], {})
     key = (kind, tuple(sorted((k, v) for k, v in params.items() if k != "loop")), avals,
-           jax.sharding.get_abstract_mesh(), partitioned)  # fmt: skip
+           jax.sharding.get_abstract_mesh(), partitioned, _cost.current_platform())  # fmt: skip
     hit = table.get(key)
     if hit is None:
         axes = _state_axes(kind, params, avals)
@@ -197,7 +198,7 @@ def _register(prim: Primitive, kind: str, partitions: bool = True):
         # crashed); the batch is then gathered, as for any unpartitioned operation.
         partitioned = (partitions and _per_device.lowering_for_devices(ctx)
                        and not _effects(params["loop"]))  # fmt: skip
-        with _per_device.nested_lowering():
+        with _per_device.nested_lowering(), _cost.lowering_for(_compat.lowering_platform(ctx)):
             closed = _kernel_jaxpr(kind, params, tuple(ctx.avals_in), partitioned)
             return mlir.lower_fun(jaxpr_as_fun(closed), multiple_results=True)(ctx, *ops)
 

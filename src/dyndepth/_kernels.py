@@ -59,7 +59,7 @@ def _put_ys(ys: list, view: Slots, values: list) -> list:
     """``ys[b, i] = y`` for the live slots (``ys`` zero elsewhere, as the loop's outputs are)."""
     if not ys:
         return ys
-    return _store._put_cells(ys, view.b, view.i, values, view.live)
+    return _store.put_cells(ys, view.b, view.i, values, view.live)
 
 
 def _keys(loop: Loop, kd: Any, rows: Any, i: jax.Array, slots: int) -> Any:
@@ -226,11 +226,11 @@ def backward(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes: list, x_axes
             _keys(loop, kd, src, j, S), at_slots(s["cur"], src), ct_y, undo, per_row=per_row,
         )  # fmt: skip
         if loop.thinning:
-            s["rec"] = _store._put_cells(s["rec"], b, p, new_c, live & recompute)
+            s["rec"] = _store.put_cells(s["rec"], b, p, new_c, live & recompute)
         s["cur"] = put_slots(s["cur"], b, list(g_c), undo)
         s["acc"] = [_add_rows(a, b, g, undo) if r else a + g
                     for a, g, r in zip(s["acc"], g_k, rows, strict=True)]  # fmt: skip
-        s["ct_xs"] = _store._put_cells(s["ct_xs"], b, j, list(g_x), undo)
+        s["ct_xs"] = _store.put_cells(s["ct_xs"], b, j, list(g_x), undo)
         s["sched"] = sched.advance(s["sched"], view, [])
         s["t"] = t + 1
         return s

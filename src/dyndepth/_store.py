@@ -91,13 +91,13 @@ def put(loop: Loop, store: dict, b: Any, i: jax.Array, carry: list, live: jax.Ar
     """Store each live slot's ``carry``, the carry before its sample's step ``i``, where that
     step falls on the sample's stride."""
     if not loop.thinning:  # every carry is stored: slot i
-        return dict(store, buf=_put_cells(store["buf"], b, i, carry, live))
+        return dict(store, buf=put_cells(store["buf"], b, i, carry, live))
     if "count" in store:
         store = _make_room(loop, store, b, i, live)
     stride = at_slots([store["stride"]], b)[0]
     want = live & (i % stride == 0)
     k = (i // stride) if "count" not in store else at_slots([store["count"]], b)[0]
-    buf = _put_cells(store["buf"], b, k, carry, want)
+    buf = put_cells(store["buf"], b, k, carry, want)
     out = dict(store, buf=buf)
     if "count" in store:
         B = store["count"].shape[0]
@@ -122,7 +122,7 @@ def _cells(x: jax.Array, b: Any, k: jax.Array) -> jax.Array:
     return x.at[rows, jnp.clip(k, 0, x.shape[1] - 1)].get(mode="promise_in_bounds")
 
 
-def _put_cells(bufs: list, b: Any, k: jax.Array, values: list, want: jax.Array) -> list:
+def put_cells(bufs: list, b: Any, k: jax.Array, values: list, want: jax.Array) -> list:
     """``buf[b[s], k[s]] = value[s]`` where ``want``; one shared ``k`` with ``b`` None is a
     column write (a dynamic update slice, not a scatter)."""
     if b is None and jnp.ndim(k) == 0:

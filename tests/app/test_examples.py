@@ -5,7 +5,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def test_dropout_residual_example_prints_batch_shape(capsys):

@@ -167,7 +167,8 @@ def test_forward_mode_of_the_reverse_mode_strategies(strategy):
 @pytest.mark.parametrize("strategy", REVERSE)
 def test_second_order(strategy):
     """Forward over reverse (hessian, jacfwd of grad), reverse over forward and reverse over
-    reverse work, unbatched and under vmap (tests/test_reverse_over_reverse.py has the rest)."""
+    reverse work, unbatched and under vmap (tests/core/test_reverse_over_reverse.py has the
+    rest)."""
 
     def f(a, x=X, d=3):
         out = dd.repeat(lambda c: jnp.sin(c) * a, x, d, max_depth=4, strategy=strategy)

@@ -21,8 +21,7 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import reference_repeat, tree_allclose
-from test_shard import run_on_eight_devices
+from helpers import reference_repeat, run_on_eight_devices, tree_allclose
 
 import dyndepth as dd
 

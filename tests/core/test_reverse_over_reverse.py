@@ -1,6 +1,6 @@
 """Reverse over reverse (``jax.grad`` of ``jax.grad``, ``jax.jacrev`` of ``jax.grad``, gradient
 penalties, meta-learning) through every loop, against the plain-Python references of the
-transform matrix (tests/test_transform_matrix.py).
+transform matrix (tests/core/test_transform_matrix.py).
 
 The backward pass's derivative is transposed as the ``"masked"`` loop's (plain ``lax``, every
 order JAX's own) wherever the outer reverse pass is: around the inner one, or hidden from it by a

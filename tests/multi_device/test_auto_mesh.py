@@ -8,9 +8,9 @@ the gradient of a replicated weight is summed by one all-reduce after the loops.
 on ``model`` is gathered once, before the loops, on an ``Auto`` mesh (the only all-gathers
 allowed there, checked by shape); on an ``Explicit`` mesh the step's own collectives over
 ``model`` run inside the loop, but the weight is gathered on entry to it too (JAX's boundary of
-a ``shard_map`` manual over ``data`` alone; tests/test_explicit_tp_weights.py counts those
-all-gathers by shape, which this test, counting all-gathers over ``model`` groups as tensor
-parallelism, does not see).
+a ``shard_map`` manual over ``data`` alone; tests/multi_device/test_explicit_tp_weights.py
+counts those all-gathers by shape, which this test, counting all-gathers over ``model`` groups as
+tensor parallelism, does not see).
 
 The checks run in a subprocess with 8 simulated CPU devices (the device count is fixed when JAX
 starts).

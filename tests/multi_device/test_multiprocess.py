@@ -29,6 +29,9 @@ from helpers import simulated_devices_env
 import dyndepth as dd
 
 B, D, T = 16, 4, 6
+# The workers import this module, and through it ``helpers``: this folder and the tests' root.
+IMPORT_PATHS = [os.path.dirname(os.path.abspath(__file__)),
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # fmt: skip
 
 
 def problem():
@@ -64,7 +67,7 @@ WORKER = textwrap.dedent(
                                process_id=int(sys.argv[2]))
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    sys.path.insert(0, sys.argv[3])
+    sys.path[:0] = sys.argv[3:]
     from test_multiprocess import losses, problem
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -101,10 +104,9 @@ def _free_port() -> int:
 def test_two_processes_match_one():
     address = f"127.0.0.1:{_free_port()}"
     env = simulated_devices_env(2, JAX_PLATFORMS="cpu")
-    here = os.path.dirname(os.path.abspath(__file__))
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", WORKER, address, str(i), here],
+            [sys.executable, "-c", WORKER, address, str(i), *IMPORT_PATHS],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -138,7 +140,7 @@ COST_WORKER = textwrap.dedent(
                                process_id=int(sys.argv[2]))
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    sys.path.insert(0, sys.argv[3])
+    sys.path[:0] = sys.argv[3:]
     import dyndepth as dd
     from test_multiprocess import losses, problem
 
@@ -193,8 +195,8 @@ def test_two_processes_with_different_costs_use_process_zeros():
     process 1 is a ``ValueError`` there."""
     address = f"127.0.0.1:{_free_port()}"
     env = simulated_devices_env(2, JAX_PLATFORMS="cpu")
-    here = os.path.dirname(os.path.abspath(__file__))
-    procs = [subprocess.Popen([sys.executable, "-c", COST_WORKER, address, str(i), here], env=env,
+    argv = [sys.executable, "-c", COST_WORKER, address]
+    procs = [subprocess.Popen([*argv, str(i), *IMPORT_PATHS], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]  # fmt: skip
     outputs = [p.communicate(timeout=600) for p in procs]

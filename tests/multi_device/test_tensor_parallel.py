@@ -23,7 +23,7 @@ from pathlib import Path
 from helpers import run_on_eight_devices
 from test_shard import LOOP_HLO
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tensor_parallel.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tensor_parallel.py"
 
 SCRIPT = LOOP_HLO + textwrap.dedent(
     """

@@ -24,7 +24,7 @@ eqx = pytest.importorskip("equinox")
 pytest.importorskip("flax")
 from flax import nnx  # noqa: E402
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 GTOL = dict(rtol=2e-5, atol=2e-5)
 
 

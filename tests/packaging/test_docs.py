@@ -46,7 +46,7 @@ import pytest
 import dyndepth
 import dyndepth.nn
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _MARKER = re.compile(r"^<!--\s*test:\s*(.*?)\s*-->\s*$")
 
@@ -256,7 +256,7 @@ def test_page_code_runs(page):
 def _run_on_8_devices(page: Path, multi: list[Block]) -> None:
     script = "\n".join(
         [
-            f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r})",
+            f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})",
             "from test_docs import GradientGuard; guard = GradientGuard(); guard.install()",
             *(
                 f"exec(compile({chr(10) * (b.line - 1) + b.code!r}, {str(page)!r}, 'exec'))"

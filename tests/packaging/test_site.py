@@ -37,7 +37,7 @@ import pytest
 import dyndepth
 import dyndepth.nn
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PUBLIC = {
     "api": [f"dyndepth.{n}" for n in dyndepth.__all__],
     "nn": [f"dyndepth.nn.{n}" for n in dyndepth.nn.__all__],

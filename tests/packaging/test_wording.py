@@ -9,7 +9,7 @@ import pytest
 
 from dyndepth_app import cli as _cli
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FILES = sorted(
     [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "benchmarks" / "README.md"]
     + list((ROOT / "docs").glob("*.md"))

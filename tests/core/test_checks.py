@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import tree_allclose
+from shared_lists import STRATEGIES
 
 import dyndepth
 
@@ -37,7 +38,7 @@ def test_out_of_range_traced_depth_raises_under_jit(bad):
     tree_allclose(jax.jit(lambda d: run(d, False))(jnp.int32(bad)), run(0 if bad < 0 else 5, False))
 
 
-@pytest.mark.parametrize("strategy", ["auto", "masked", "while", "checkpointed"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_vmap_reports_the_batch_index(strategy):
     def one(x, d):
         return dyndepth.repeat(step, x, d, max_depth=5, strategy=strategy, checked=True)

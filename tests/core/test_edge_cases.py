@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from helpers import reference_repeat, reference_while, tree_allclose
 from jax import lax
+from shared_lists import CHECKPOINTING_STRATEGIES, GRAD_STRATEGIES, STRATEGIES
 
 import dyndepth as dd
 
@@ -18,8 +19,6 @@ W = jnp.array([[0.5, -0.3, 0.1], [0.2, 0.8, -0.4], [-0.1, 0.3, 0.6]], jnp.float3
 X = jnp.array([0.3, -0.2, 0.5], jnp.float32)
 XB = jnp.stack([X, -X, 2 * X, X + 1])
 DEPTHS = jnp.array([0, 2, 3, 1], jnp.int32)
-REVERSE = ["auto", "checkpointed"]
-ALL = ["auto", "checkpointed", "masked", "while"]
 
 
 def layer(c):
@@ -33,7 +32,7 @@ def _host_add_one(a):
     return np.asarray(a) + np.float32(1.0)
 
 
-@pytest.mark.parametrize("strategy", ALL)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_pure_and_io_callbacks_run_forward_only(strategy):
     """A step with a callback has no JVP; the forward pass must not need one."""
 
@@ -56,7 +55,7 @@ def test_pure_and_io_callbacks_run_forward_only(strategy):
     tree_allclose(got, want)
 
 
-@pytest.mark.parametrize("strategy", REVERSE + ["masked"])
+@pytest.mark.parametrize("strategy", GRAD_STRATEGIES)
 def test_unperturbed_values_are_not_differentiated(strategy):
     """An op without a reverse rule (an inner while loop, a callback) applied to values nothing
     differentiates: the gradient is right, as with lax.scan (only perturbed values are
@@ -75,7 +74,7 @@ def test_unperturbed_values_are_not_differentiated(strategy):
 # ----------------------------------------------------------------------------- keys
 
 
-@pytest.mark.parametrize("strategy", ALL)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_typed_key_in_the_carry(strategy):
     def step(c):
         key, x = c
@@ -125,7 +124,7 @@ def test_step_key_rejects_bad_indices(i):
 # ----------------------------------------------------------------------------- the vmap axis
 
 
-@pytest.mark.parametrize("strategy", ALL)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_collectives_over_the_vmap_axis_in_the_step(strategy):
     """pmean and axis_index over the enclosing vmap's axis: every sample steps in lockstep (as
     lax.while_loop and scan + cond under vmap do); values and gradients equal "masked"."""
@@ -143,7 +142,7 @@ def test_collectives_over_the_vmap_axis_in_the_step(strategy):
         tree_allclose(jax.grad(loss(strategy))(XB), jax.grad(loss("masked"))(XB))
 
 
-@pytest.mark.parametrize("strategy", ALL)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_collective_in_the_stop_predicate(strategy):
     cond = lambda s: lax.pmax(s[1], "b") < 3  # noqa: E731
     body = lambda s: (layer(s[0]), s[1] + 1)  # noqa: E731
@@ -156,7 +155,7 @@ def test_collective_in_the_stop_predicate(strategy):
 # ----------------------------------------------------------------------------- higher order
 
 
-@pytest.mark.parametrize("strategy", REVERSE)
+@pytest.mark.parametrize("strategy", CHECKPOINTING_STRATEGIES)
 def test_forward_mode_of_the_reverse_mode_strategies(strategy):
     f = lambda a: dd.repeat(lambda c: jnp.sin(c) * a, X, 3, max_depth=4, strategy=strategy)  # noqa: E731
     ref = lambda a: reference_repeat(lambda c: jnp.sin(c) * a, X, 3)  # noqa: E731
@@ -164,7 +163,7 @@ def test_forward_mode_of_the_reverse_mode_strategies(strategy):
     tree_allclose(jax.jacfwd(f)(0.7), jax.jacfwd(ref)(0.7))
 
 
-@pytest.mark.parametrize("strategy", REVERSE)
+@pytest.mark.parametrize("strategy", CHECKPOINTING_STRATEGIES)
 def test_second_order(strategy):
     """Forward over reverse (hessian, jacfwd of grad), reverse over forward and reverse over
     reverse work, unbatched and under vmap (tests/core/test_reverse_over_reverse.py has the
@@ -190,7 +189,7 @@ def test_second_order(strategy):
 # ----------------------------------------------------------------------------- empty things
 
 
-@pytest.mark.parametrize("strategy", ALL)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("carry", [None, (), {}], ids=["None", "tuple", "dict"])
 def test_empty_carries(strategy, carry):
     f = lambda d: dd.repeat(lambda c: c, carry, d, max_depth=3, strategy=strategy)  # noqa: E731
@@ -213,7 +212,7 @@ def test_empty_batches():
 # ----------------------------------------------------------------------------- types, caching
 
 
-@pytest.mark.parametrize("strategy", ALL)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_weakly_typed_init_follows_lax(strategy):
     cond, body = (lambda v: v < 2), (lambda v: v + jnp.int8(1))
     got = dd.while_loop(cond, body, 0, max_steps=5, strategy=strategy)
@@ -236,7 +235,7 @@ def test_eager_calls_with_the_same_step_do_not_compile_again():
     assert len(counts) == 1
 
 
-@pytest.mark.parametrize("strategy", ALL)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_nested_loops_under_eager_vmap_over_numpy(strategy):
     xs = np.asarray(XB)
 
@@ -247,7 +246,7 @@ def test_nested_loops_under_eager_vmap_over_numpy(strategy):
     tree_allclose(got, jax.vmap(lambda x: reference_repeat(layer, x, 4))(XB))
 
 
-@pytest.mark.parametrize("strategy", REVERSE + ["masked", "while"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_export_with_a_symbolic_batch(strategy):
     def f(x, d):
         return jax.vmap(lambda x, d: dd.repeat(layer, x, d, max_depth=4, strategy=strategy))(x, d)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from shared_lists import STRATEGIES
 
 import dyndepth
 
@@ -62,7 +63,7 @@ def test_concrete_narrow_depths_below_a_wide_max_depth(dtype, max_depth):
         assert int(got) == d
 
 
-@pytest.mark.parametrize("strategy", ["auto", "checkpointed", "masked", "while"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_the_issue_repros(strategy):
     got = dyndepth.repeat(_count, jnp.int32(0), jnp.uint8(100), max_depth=300, strategy=strategy)
     assert int(got) == 100

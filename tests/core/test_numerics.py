@@ -20,20 +20,15 @@ from helpers import (
     tree_equal,
 )
 from jax import lax
+from shared_lists import GRAD_STRATEGIES, STRATEGIES, cfg_id
 
 import dyndepth as dd
 
-STRATEGIES = ["masked", "while", "checkpointed", "auto"]
 GTOL = dict(rtol=1e-5, atol=1e-4)
 
 
 def finite(tree) -> bool:
     return all(bool(np.all(np.isfinite(np.asarray(x)))) for x in jax.tree_util.tree_leaves(tree))
-
-
-def cfg_id(cfg):
-    strategy, k = cfg[:2]
-    return strategy if k is None else f"{strategy}-K{k}"
 
 
 # ============================================================================= NaN / inf past depth
@@ -389,7 +384,7 @@ def test_low_precision_carries(dtype):
             )
         )(X, D_LP, keys)
 
-    names = [f"{k}:{s}" for k in ("repeat", "scan") for s in ("masked", "checkpointed", "auto")]
+    names = [f"{k}:{s}" for k in ("repeat", "scan") for s in GRAD_STRATEGIES]
     names.append("repeat_batched")
 
     @jax.jit

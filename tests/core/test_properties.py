@@ -24,13 +24,12 @@ from helpers import applicable, reference_repeat, reference_scan, reference_whil
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
+from shared_lists import GRAD_STRATEGIES, STRATEGIES
 
 import dyndepth as dd
 
-STRATEGIES = ["masked", "while", "checkpointed", "auto"]
 # Fewer draws per property in `make test` (every draw compiles); `make test-full` draws more.
 DRAWS = 2 if os.environ.get("DYNDEPTH_FULL") == "1" else 1
-GRAD_STRATEGIES = ["masked", "checkpointed", "auto"]
 VTOL = dict(rtol=1e-4, atol=1e-5)
 GTOL = dict(rtol=1e-4, atol=1e-4)
 # No example database: nothing is written into the working tree, and every run is a fresh draw.

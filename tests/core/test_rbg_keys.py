@@ -15,10 +15,9 @@ import jax.numpy as jnp
 import pytest
 import test_transform_matrix as tm
 from helpers import reference_repeat, tree_allclose
+from shared_lists import RBG_IMPLS, cfg_id
 
 import dyndepth as dd
-
-IMPLS = ["rbg", "unsafe_rbg"]
 
 
 def keys_of(impl, n, seed=3):
@@ -29,7 +28,7 @@ def step(c, k):
     return c + jax.random.normal(k, c.shape)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", RBG_IMPLS)
 @pytest.mark.parametrize("strategy", ["auto", "checkpointed", "while"])
 def test_batched_draws_are_each_samples_own(impl, strategy):
     x = jnp.ones((4, 3))
@@ -51,7 +50,7 @@ def test_batched_draws_are_each_samples_own(impl, strategy):
     tree_allclose(shared, jnp.stack(want))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", RBG_IMPLS)
 def test_masked_refuses_per_sample_rbg_keys_at_trace_time(impl):
     def run(x, k):
         return dd.repeat(step, x, 2, max_depth=3, key=k, strategy="masked")
@@ -98,7 +97,7 @@ def rbg_args(case):
 
 
 @pytest.mark.parametrize(("name", "case", "cfg"), COMBOS,
-                         ids=[f"{n}-{c}-{tm.cfg_id(k)}" for n, c, k in COMBOS])  # fmt: skip
+                         ids=[f"{n}-{c}-{cfg_id(k)}" for n, c, k in COMBOS])  # fmt: skip
 def test_transform_matrix_with_rbg_keys(name, case, cfg):
     transform = {**tm.REVERSE, **tm.FORWARD}[name]
     fn, _ = tm.CASES[case](*cfg)
@@ -106,4 +105,4 @@ def test_transform_matrix_with_rbg_keys(name, case, cfg):
     args = rbg_args(case)
     got = jax.jit(lambda p, *a: transform(jax.vmap, fn, p, a))(tm.PARAMS, *args)
     want = transform(tm.python_vmap, ref, tm.PARAMS, args)
-    tree_allclose(got, want, **tm.TOL, err_msg=f"{case} {tm.cfg_id(cfg)} {name}")
+    tree_allclose(got, want, **tm.TOL, err_msg=f"{case} {cfg_id(cfg)} {name}")

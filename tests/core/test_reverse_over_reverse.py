@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import pytest
 import test_transform_matrix as tm
 from helpers import reference_repeat, tree_allclose
+from shared_lists import CHECKPOINTING_STRATEGIES, cfg_id
 
 import dyndepth as dd
 
@@ -147,7 +148,7 @@ COMBOS = [(t, c, CONFIGS[(i + j) % len(CONFIGS)])
 
 
 @pytest.mark.parametrize(("name", "case", "cfg"), COMBOS,
-                         ids=[f"{n}-{c}-{tm.cfg_id(k)}" for n, c, k in COMBOS])  # fmt: skip
+                         ids=[f"{n}-{c}-{cfg_id(k)}" for n, c, k in COMBOS])  # fmt: skip
 def test_reverse_over_reverse_matrix(name, case, cfg):
     fn, _ = tm.CASES[case](*cfg)
     _, ref = tm.CASES[case]("masked", None)
@@ -155,10 +156,10 @@ def test_reverse_over_reverse_matrix(name, case, cfg):
     transform = TRANSFORMS[name]
     got = jax.jit(lambda p, *a: transform(jax.vmap, fn, p, a))(tm.PARAMS, *args)
     want = transform(tm.python_vmap, ref, tm.PARAMS, args)
-    tree_allclose(got, want, **TOL, err_msg=f"{case} {tm.cfg_id(cfg)} {name}")
+    tree_allclose(got, want, **TOL, err_msg=f"{case} {cfg_id(cfg)} {name}")
 
 
-@pytest.mark.parametrize("strategy", ["auto", "checkpointed"])
+@pytest.mark.parametrize("strategy", CHECKPOINTING_STRATEGIES)
 def test_grad_grad_eager_and_mixed_orders(strategy):
     x = jnp.array([0.3, -0.2, 0.5])
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import applicable, tree_allclose
+from shared_lists import DISTRIBUTIONS, depths_of, long_tail_depths, uniform_depths
 
 import dyndepth
 from dyndepth import _budget, _checks, _slots
@@ -230,20 +231,10 @@ def test_repeat_batched_depth_errors(depths, inits, error, match):
         dyndepth.repeat_batched(lambda x: x, inits, depths, max_depth=M)
 
 
-def _uniform(key, B, hi):
-    return jax.random.randint(key, (B,), 1, hi + 1)
-
-
-def _long_tail(key, B, hi):
-    k1, k2 = jax.random.split(key)
-    tau = jnp.exp(jnp.log(32.0) - 0.125 + 0.5 * jax.random.normal(k1, (B,)))
-    return jnp.clip(1 + jax.random.poisson(k2, tau), 1, hi).astype(jnp.int32)
-
-
 @pytest.mark.parametrize(("dist", "hi"), [("uniform", 100), ("long-tail", 256)])
 def test_executed_sample_steps_close_to_sum_of_depths(dist, hi):
     B = 256
-    ds = (_uniform if dist == "uniform" else _long_tail)(jax.random.PRNGKey(0), B, hi)
+    ds = (uniform_depths if dist == "uniform" else long_tail_depths)(jax.random.PRNGKey(0), B, hi)
     xs = jnp.zeros((B, 1))
     _, st = dyndepth.repeat_batched(
         lambda x: x + 1.0, xs, ds, max_depth=hi, slots="work", return_stats=True
@@ -252,38 +243,6 @@ def test_executed_sample_steps_close_to_sum_of_depths(dist, hi):
     assert ratio <= 1.15, (dist, ratio, st)
     # The masked alternatives execute B * max(depth) or B * max_depth sample-steps.
     assert int(st["executed_sample_steps"]) < B * int(ds.max())
-
-
-def _depths(name, key, B, hi):
-    """Depth distributions named in the scheduler's promise, in ``[0, hi]``."""
-    if name == "bimodal":  # about half at the top, half at 1
-        return jnp.where(jax.random.bernoulli(key, 0.53, (B,)), hi, 1)
-    if name == "one-deep-many-shallow":
-        return jnp.zeros((B,), jnp.int32).at[0].set(hi)
-    if name == "few-deep":
-        return jnp.where(jnp.arange(B) % 32 == 0, hi, jax.random.randint(key, (B,), 0, 3))
-    if name == "geometric":
-        return jnp.minimum(jax.random.geometric(key, 0.2, (B,)), hi).astype(jnp.int32)
-    if name == "uniform":
-        return _uniform(key, B, hi)
-    if name == "long-tail":
-        return _long_tail(key, B, hi)
-    if name == "all-equal":
-        return jnp.full((B,), hi // 3, jnp.int32)
-    assert name == "all-zero"
-    return jnp.zeros((B,), jnp.int32)
-
-
-DISTRIBUTIONS = (
-    "bimodal",
-    "one-deep-many-shallow",
-    "few-deep",
-    "geometric",
-    "uniform",
-    "long-tail",
-    "all-equal",
-    "all-zero",
-)
 
 
 @pytest.mark.parametrize("B, slots", [(64, "work"), (256, "work"), (1024, "work")])
@@ -328,7 +287,7 @@ def test_work_within_bound_on_every_distribution_forward_and_backward(B, slots):
     ref_vg = jax.jit(jax.value_and_grad(ref_loss))
     xs = jnp.linspace(-1.0, 1.0, B)[:, None]
     for i, name in enumerate(DISTRIBUTIONS):
-        ds = _depths(name, jax.random.PRNGKey(i), B, hi)
+        ds = depths_of(name, jax.random.PRNGKey(i), B, hi)
         total = int(ds.sum())
         calls.clear()
         jax.block_until_ready(fwd(xs, ds))
@@ -514,7 +473,7 @@ def test_while_loop_per_sample_predicate_scheduled(data, slots):
 def test_while_loop_scheduled_work_uniform_stopping_times():
     """Per-sample stopping times uniform in [1, 100]: executed <= 1.15 x the steps taken."""
     B = 256
-    stops = _uniform(jax.random.PRNGKey(5), B, 100).astype(jnp.float32)
+    stops = uniform_depths(jax.random.PRNGKey(5), B, 100).astype(jnp.float32)
     calls = []
 
     def body(c):

@@ -19,11 +19,11 @@ import jax.test_util
 import numpy as np
 import pytest
 from helpers import reference_repeat, reference_scan, run_on_eight_devices, tree_allclose
+from shared_lists import CHECKPOINTING_STRATEGIES, GRAD_STRATEGIES, RBG_IMPLS
 
 import dyndepth as dd
 
 TOL = dict(rtol=1e-4, atol=1e-5)
-STRATEGIES = ["auto", "checkpointed", "masked"]
 X = jnp.array([0.3, -0.2, 0.5])
 
 
@@ -71,7 +71,7 @@ FORMS = {
 }
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", GRAD_STRATEGIES)
 @pytest.mark.parametrize("form", list(FORMS))
 def test_second_order_forms_equal_the_plain_loop(form, strategy):
     transform = FORMS[form]
@@ -107,8 +107,8 @@ def test_loop_inside_another_loops_step(outer, inner):
         tree_allclose(FORMS[name](got_loss)(0.4), FORMS[name](ref_loss)(0.4), **TOL, err_msg=name)
 
 
-@pytest.mark.parametrize("impl", ["rbg", "unsafe_rbg"])
-@pytest.mark.parametrize("strategy", ["auto", "checkpointed"])
+@pytest.mark.parametrize("impl", RBG_IMPLS)
+@pytest.mark.parametrize("strategy", CHECKPOINTING_STRATEGIES)
 def test_vmapped_loop_with_rbg_keys(impl, strategy):
     """``rbg`` keys under ``vmap`` run one sample at a time inside the library's own
     ``lax.map``, which hid the outer reverse pass."""
@@ -192,7 +192,7 @@ def scan_step(d):
     return f
 
 
-SCAN_CASES = list(itertools.product([False, True], [False, True], STRATEGIES, [5, 3]))
+SCAN_CASES = list(itertools.product([False, True], [False, True], GRAD_STRATEGIES, [5, 3]))
 
 
 @pytest.mark.parametrize(("jit_scan", "jit_f", "strategy", "depth"), SCAN_CASES,

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import tree_allclose
+from shared_lists import cfg_id
 from test_transform_matrix import (
     CONFIGS,
     DEPTHS,
@@ -26,7 +27,6 @@ from test_transform_matrix import (
     SEQ,
     TOL,
     X,
-    cfg_id,
     python_vmap,
 )
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import tree_allclose
+from shared_lists import STRATEGIES
 
 import dyndepth as dd
 from dyndepth import nn
@@ -144,7 +145,7 @@ def _positional_step(c, key):
     return _keyword_step(c, key=key)
 
 
-@pytest.mark.parametrize("strategy", ["auto", "masked", "while", "checkpointed"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_keyword_only_key_runs_like_a_positional_key(strategy):
     def loss(step, X):
         one = lambda x, d, k: dd.repeat(step, x, d, max_depth=5, key=k, strategy=strategy)

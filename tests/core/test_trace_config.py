@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from shared_lists import STRATEGIES
 
 import dyndepth as dd
 from dyndepth import _compat
@@ -19,7 +20,6 @@ from dyndepth import _compat
 W = jnp.linspace(-1.0, 1.0, 9).reshape(3, 3)
 B = jnp.array([0.1, 0.2, 0.3])
 X = jnp.ones((2, 3))
-STRATEGIES = ["auto", "checkpointed", "masked", "while"]
 
 
 def matmul_step(c):

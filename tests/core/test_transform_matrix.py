@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import reference_repeat, reference_scan, reference_while, tree_allclose
+from shared_lists import cfg_id
 
 import dyndepth as dd
 
@@ -304,10 +305,6 @@ FORWARD = {
 }
 CONFIGS = [("masked", None), ("checkpointed", None), ("checkpointed", 2), ("auto", None),
            ("auto", 2), ("while", None)]  # fmt: skip
-
-
-def cfg_id(cfg):
-    return cfg[0] if cfg[1] is None else f"{cfg[0]}-K{cfg[1]}"
 
 
 @functools.cache

@@ -14,10 +14,9 @@ import jax.numpy as jnp
 import pytest
 from helpers import applicable, reference_repeat, tree_allclose
 from jax import lax
+from shared_lists import STRATEGIES
 
 import dyndepth as dd
-
-STRATEGIES = ["auto", "checkpointed", "masked", "while"]
 
 
 def typed(tree):

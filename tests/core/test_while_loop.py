@@ -15,6 +15,7 @@ from helpers import (
     tree_equal,
 )
 from jax import lax
+from shared_lists import MID_GRAD_CONFIGS, SHORT_GRAD_CONFIGS, STRATEGIES, cfg_id
 
 import dyndepth as dd
 
@@ -26,25 +27,6 @@ X0 = jax.random.normal(jax.random.PRNGKey(11), (D,)) * 2.0
 # Different scales, so that a data-dependent stop happens at different steps per sample.
 XB = jax.random.normal(jax.random.PRNGKey(12), (B, D)) * jnp.array([[0.3], [1.0], [3.0], [6.0]])
 
-STRATEGIES = ["masked", "while", "checkpointed", "auto"]
-GRAD_STRATEGIES = ["masked", "checkpointed", "auto"]
-GRAD_CONFIGS = [
-    ("masked", None),
-    ("checkpointed", None),
-    ("checkpointed", 1),
-    ("checkpointed", 2),
-    ("checkpointed", 3),
-    ("auto", None),
-    ("auto", 2),
-]
-SHORT_GRAD_CONFIGS = [("masked", None), ("checkpointed", None), ("checkpointed", 2), ("auto", None)]
-MID_GRAD_CONFIGS = [
-    ("masked", None),
-    ("checkpointed", None),
-    ("checkpointed", 1),
-    ("checkpointed", 3),
-    ("auto", 2),
-]
 GTOL = dict(rtol=1e-5, atol=1e-4)
 
 
@@ -56,11 +38,6 @@ def cached(name, thunk):
     if name not in _CACHE:
         _CACHE[name] = jax.device_get(thunk())
     return _CACHE[name]
-
-
-def cfg_id(cfg):
-    strategy, k = cfg
-    return strategy if k is None else f"{strategy}-K{k}"
 
 
 # ----------------------------------------------------------------------------- problems

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import Counter, tree_allclose
+from shared_lists import CHECKPOINTING_STRATEGIES, STRATEGIES
 
 import dyndepth
 import dyndepth.nn as dnn
@@ -261,7 +262,7 @@ class NnxStep(nnx.Module):
         return x + jnp.tanh(self.fc2(self.drop(nnx.gelu(self.fc1(x)), rngs=key)))
 
 
-@pytest.mark.parametrize("strategy", ["auto", "checkpointed"])
+@pytest.mark.parametrize("strategy", CHECKPOINTING_STRATEGIES)
 def test_nnx_module_as_repeat_step_matches_python_loop(strategy):
     model = NnxStep(DIM, nnx.Rngs(0))
     x = jax.random.normal(jax.random.PRNGKey(12), (4, DIM))
@@ -428,7 +429,7 @@ def test_nnx_stacked_blocks_run_only_when_kept(nnx_example):
     assert counter.run(jax.jit(run_sr), params, h) == sum(keep_sr)
 
 
-@pytest.mark.parametrize("strategy", ["auto", "masked", "while", "checkpointed"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_equinox_state_in_the_carry(strategy):
     """An ``eqx.nn.State`` in the carry, updated by the step with ``state.set`` (which makes the
     step's input state unusable): the loop runs, under vmap, and counts each sample's steps as a

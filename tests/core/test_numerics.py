@@ -1,8 +1,8 @@
 """Numerical reliability: NaN/inf past a sample's depth, low-precision carries, integer leaves,
 bitwise determinism, the per-step key schedule under vmap/scheduler/backward, and no retracing.
 
-Complements ``test_keys.py`` (unbatched key recording, key kinds) and ``test_loop.py`` (forward
-no-recompile of ``repeat``); nothing here repeats those.
+Complements ``test_keys.py`` (unbatched key recording, key kinds) and ``test_repeat_cost.py``
+(forward no-recompile of ``repeat``); nothing here repeats those.
 """
 
 from __future__ import annotations
@@ -649,9 +649,9 @@ def test_backward_pass_uses_the_same_step_keys(cfg):
 
 # ============================================================================= no recompilation
 #
-# test_loop.py::test_no_recompile_for_new_depths covers the forward pass of ``repeat``. Here:
-# jitted value_and_grad (vmapped, per-sample and shared depths; B > 8 so that "auto" runs the
-# scheduler's run-time slot choice), repeat_batched forward and value_and_grad, and scan.
+# test_repeat_cost.py::test_no_recompile_for_new_depths covers the forward pass of ``repeat``.
+# Here: jitted value_and_grad (vmapped, per-sample and shared depths; B > 8 so that "auto" runs
+# the scheduler's run-time slot choice), repeat_batched forward and value_and_grad, and scan.
 
 
 def tanh_step(W):

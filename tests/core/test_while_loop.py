@@ -215,7 +215,7 @@ def test_jacrev_wrt_init(cfg):
 @pytest.mark.parametrize("cfg", SHORT_GRAD_CONFIGS, ids=cfg_id)
 def test_jacrev_wrt_closed_over_params(cfg):
     """Regression: every row of the Jacobian w.r.t. a closed-over parameter used to come out as
-    the sum of all rows (see test_loop.test_jacrev_unbatched_wrt_closed_over_param)."""
+    the sum of all rows (see test_repeat_autodiff.test_jacrev_unbatched_wrt_closed_over_param)."""
     jac, expected = _jacrev(*cfg, argnum=1)
     tree_allclose(jac, expected, rtol=2e-5, atol=1e-3)
 

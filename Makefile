@@ -22,8 +22,9 @@ lint: venv
 # minutes on this project's 2-core machine, 2026-12-04, 850 tests; 8.7-9.2 before the step
 # index, weak-type, rbg-key and second-order suites); `make test PYTEST_ARGS=` runs one process.
 # tests/conftest.py compiles at XLA's CPU backend level 0 except with DYNDEPTH_FULL=1.
-# The suite includes the documentation (tests/test_docs.py runs its code, tests/test_site.py
-# builds the site and checks its pages) and the packaging (tests/test_wheel.py).
+# The suite includes the documentation (tests/packaging/test_docs.py runs its code,
+# tests/packaging/test_site.py builds the site and checks its pages) and the packaging
+# (tests/packaging/test_wheel.py).
 PYTEST_ARGS ?= -n 2
 
 test: lint
@@ -35,9 +36,9 @@ test: lint
 # jitted form. About a minute and a half on the project's 2-core machine, the venv included.
 FLOOR_VENV ?= .venv-floor
 JAX_FLOOR := $(shell sed -n 's/.*"jax>=\([0-9.]*\)".*/\1/p' pyproject.toml)
-FLOOR_TESTS := "tests/test_docs.py::test_page_code_runs[README.md]" \
-	tests/test_explicit_batch_depth.py \
-	"tests/test_second_order_forms.py::test_jax_scan_grad[jit_scan=True-jit_f=True-auto-depth3]"
+FLOOR_TESTS := "tests/packaging/test_docs.py::test_page_code_runs[README.md]" \
+	tests/multi_device/test_explicit_batch_depth.py \
+	"tests/core/test_second_order_forms.py::test_jax_scan_grad[jit_scan=True-jit_f=True-auto-depth3]"
 
 $(FLOOR_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(FLOOR_VENV)
@@ -68,7 +69,7 @@ docs: venv
 
 # The documentation's checks alone: the site's pages, the code in the docs and docstrings.
 docs-test: docs
-	$(PY) -m pytest $(PYTEST_ARGS) tests/test_site.py tests/test_docs.py
+	$(PY) -m pytest $(PYTEST_ARGS) tests/packaging/test_site.py tests/packaging/test_docs.py
 
 # The wheel and the sdist, into dist/, checked as the package index would.
 dist: venv

@@ -1,4 +1,6 @@
-"""Test configuration: strict dtype promotion, float32 (x64 stays off), helpers on the path."""
+"""Test configuration: strict dtype promotion, float32 (x64 stays off), helpers on the path.
+
+It applies to every folder below it (core, nn, app, multi_device, packaging)."""
 
 from __future__ import annotations
 
@@ -26,15 +28,16 @@ import dyndepth as dd  # noqa: E402
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_enable_x64", False)
 
-# ``from helpers import ...`` works under every pytest import mode.
+# ``from helpers import ...`` works from every folder under every pytest import mode: this
+# folder, the tests' root, is on the path (pytest's default mode adds each test file's own folder).
 sys.path.insert(0, os.path.dirname(__file__))
 
 
 # The scheduler's time model on this CPU makes an iteration's fixed cost worth hundreds of rows of
 # the tests' tiny steps, so by default their small batches would run in lockstep and the
 # per-sample scheduler would go untested. The tests price an iteration at one row: the time rule
-# then chooses among every slot count of its ladder as on a large step (tests/test_schedule.py
-# checks the measured defaults apart).
+# then chooses among every slot count of its ladder as on a large step
+# (tests/core/test_schedule.py checks the measured defaults apart).
 TEST_COST = dd.IterationCost(fixed_seconds=1e-9, flops_per_second=1e30, row_floor_seconds=1e-9)
 dd.set_iteration_cost("cpu", TEST_COST)
 

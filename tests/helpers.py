@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from shared_lists import CHECKPOINTING_STRATEGIES
 
 # ----------------------------------------------------------------------------- subprocesses
 
@@ -108,7 +109,7 @@ def applicable(strategy: str, checkpoints=None, slots=None) -> dict:
     """The options a strategy takes: ``checkpoints`` for the reverse-mode strategies, ``slots``
     for "auto" (the others reject them)."""
     out = {}
-    if strategy in ("auto", "checkpointed"):
+    if strategy in CHECKPOINTING_STRATEGIES:
         out["checkpoints"] = checkpoints
     if strategy == "auto":
         out["slots"] = slots

@@ -4,7 +4,7 @@ What it measures, for the step ``x -> x + tanh(x @ W)`` (``B`` samples of width 
 
 1. **Work**, for each depth distribution and batch size: executed / useful sample-steps of
    ``dyndepth.repeat_batched`` (``return_stats``), forward; the backward pass is scheduled by
-   the same rule on the same depths (``tests/test_schedule.py`` counts both with a callback).
+   the same rule on the same depths (``tests/core/test_schedule.py`` counts both with a callback).
 2. **Time** (ms, best of ``--repeats`` rounds, the calls taken in turn within each round), at
    ``B, D = --batch, --width`` with depths uniform in ``[1, max_depth]``: forward and
    ``value_and_grad`` of ``jax.vmap(dyndepth.repeat)`` (``"auto"``: the scheduler) on those

@@ -26,7 +26,7 @@ fallback run instead of failing every loop. Each fallback and its cost (docs/lim
   caches on): ``jax._src.config.trace_context``; without it, the public configuration options
   that change what a function traces to (:data:`TRACE_OPTIONS`).
 
-``tests/test_compat.py`` hides each name and checks the loops against the references.
+``tests/core/test_compat.py`` hides each name and checks the loops against the references.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import jax
 from jax import lax
 
 # Where each private name is found: the attribute path below its owner. A test points an entry at
-# a name that does not exist to run the fallback (tests/test_compat.py).
+# a name that does not exist to run the fallback (tests/core/test_compat.py).
 PRIVATE: dict[str, tuple[str, ...]] = {
     "axis_names": ("unsafe_get_axis_names_DO_NOT_USE",),  # of jax.extend.core
     "devices_registry": ("prim_requires_devices_during_lowering",),  # of jax._src.dispatch

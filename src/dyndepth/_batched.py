@@ -26,7 +26,6 @@ from ._leaves import (
     merge,
     put_index,
     rows_mask,
-    scatter_rows,
     take,
     where_rows,
 )
@@ -153,7 +152,7 @@ def backward(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, steps, ct
         s = dict(s)
         s["acc"] = [a + g for a, g in zip(s["acc"], g_k, strict=True)]
         s["ct"] = where_rows(act, g_c, s["ct"])
-        s["ct_xs"] = scatter_rows(s["ct_xs"], idx, g_x, act)
+        s["ct_xs"] = _store.put_cells(s["ct_xs"], None, idx, g_x, act)
         return s
 
     state = dict(

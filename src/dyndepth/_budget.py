@@ -105,8 +105,9 @@ def checkpoints_for(loop: Loop, rows: int, platform: str | None = None) -> int |
 
 
 def _recompute_is_cheaper(loop: Loop, carry_bytes: int, platform: str | None) -> bool:
+    platform = platform or _cost.current_platform()
     cost = _cost.backend_cost(platform)
-    rate = FRESH_BYTES_PER_SECOND.get(platform or _cost.current_platform(), math.inf)
+    rate = FRESH_BYTES_PER_SECOND.get(platform, math.inf)
     flops = _cost.jaxpr_flops(loop.step_jaxpr.jaxpr)
     row = max(flops / cost.flops_per_second, cost.row_floor_seconds)
     return carry_bytes / rate > RECOMPUTE_ROWS * row

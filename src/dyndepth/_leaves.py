@@ -50,28 +50,6 @@ def gather_rows(bufs: Sequence[Any], idx: jax.Array) -> Leaves:
     ]
 
 
-def scatter_rows(bufs: Sequence[Any], idx: jax.Array, vals: Sequence[Any], mask) -> Leaves:
-    """``buf[b, idx[b]] = val[b]`` where ``mask[b]``; other rows keep their contents. (One
-    scatter whose masked rows point past the end, not a ``vmap`` of dynamic updates: a TPU
-    runs that form about 20 times slower.)"""
-    rows = jnp.arange(mask.shape[0])
-    drop = jnp.where(mask, rows, mask.shape[0])
-    return [b.at[drop, idx].set(v, mode="drop") for b, v in zip(bufs, vals, strict=True)]
-
-
-def column(bufs: Sequence[Any], j: jax.Array) -> Leaves:
-    """``buf[:, j]`` for every (B, T, ...) buffer: one index shared by the rows."""
-    return [lax.dynamic_index_in_dim(buf, j, 1, keepdims=False) for buf in bufs]
-
-
-def put_column(bufs: Sequence[Any], j: jax.Array, vals: Sequence[Any], mask) -> Leaves:
-    """``buf[b, j] = val[b]`` where ``mask[b]``: :func:`scatter_rows` with one index shared by
-    the rows, a dynamic slice and update instead of a scatter."""
-    old = column(bufs, j)
-    new = where_rows(mask, vals, old)
-    return [lax.dynamic_update_index_in_dim(b, v, j, 1) for b, v in zip(bufs, new, strict=True)]
-
-
 def at_index(bufs: Sequence[Any], i: jax.Array) -> Leaves:
     """``buf[i]`` for every buffer (no batch axis, or a step-major one: ``(T, B, ...)``)."""
     return [lax.dynamic_index_in_dim(b, i, 0, keepdims=False) for b in bufs]

@@ -423,7 +423,8 @@ def _backward_kernel(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes, x_ax
     plan = _BackwardPlan.of(loop, steps, ops.res.stored.stride, ops.consts, c_axes, per_sample)
 
     def run(S):
-        sched = (_schedule.Lockstep(plan.units, reverse=True) if S >= rows
+        sched = (_schedule.Lockstep(plan.units, reverse=True, at_end=not loop.thinning)
+                 if S >= rows
                  else _schedule.Wrap.of(plan.units, S, reverse=True))  # fmt: skip
         return _kernels.backward(loop, pert, ops, c_axes, x_axes, sched, per_row=per_row)[:3]
 

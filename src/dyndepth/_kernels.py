@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from . import _schedule, _sharding, _store, _vma
 from ._derivative import Perturbed
-from ._leaves import merge, rows_mask, take
+from ._leaves import DROP, IN_BOUNDS, index_in, merge, rows_mask, take
 from ._operands import BwdOperands, LoopOperands
 from ._schedule import Slots, at_slots, put_slots
 from ._step import Loop
@@ -46,9 +46,11 @@ def _xs_at(xs: list, axes: list, b: Any, i: jax.Array, slots: int) -> list:
     for x, ax in zip(xs, axes, strict=True):
         if ax is None:
             if jnp.ndim(i) == 0:
-                v = jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+                v = index_in(x, i, 0)
             else:
-                v = x.at[jnp.clip(i, 0, x.shape[0] - 1)].get(mode="promise_in_bounds")
+                v = x.at[jnp.clip(i, 0, x.shape[0] - 1)].get(
+                    mode="promise_in_bounds", wrap_negative_indices=False
+                )
             out.append(jnp.broadcast_to(v, (slots,) + v.shape[jnp.ndim(i) :]))
         else:
             out.append(_store.read([x], b, i)[0])
@@ -208,7 +210,7 @@ def backward(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes: list, x_axes
         view = sched.view(s["sched"], t)
         b, live, src = view.b, view.live, view.rows
         if loop.thinning:
-            n, stride = layout.at[:, src].get(mode="promise_in_bounds")
+            n, stride = layout.at[:, src].get(**IN_BOUNDS)
             recompute, j, p, seg = _store.backward_unit(n, stride, _store.units(n, stride) - 1
                                                          - view.i)  # fmt: skip
             stored = _store.read(buf, src, seg)
@@ -218,12 +220,14 @@ def backward(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes: list, x_axes
             undo = live & ~recompute
         else:  # (every carry stored: slot j)
             j, undo = view.i, live
-            carry = _store.read(buf, src, j)
-        x = _xs_at(ops.xs, x_axes, src, j, S)
+            carry = _idle_fill(view, _store.read(buf, src, j))
+        x = _idle_fill(view, _xs_at(ops.xs, x_axes, src, j, S), x_axes)
         ct_y = _store.read(ops.ct_ys, src, j)
+        consts = _idle_fill(view, _per_slot(ops.consts, c_axes, src), c_axes)
+        keys = None if kd is None else _idle_fill(view, [at_slots([kd], src)[0]])[0]
         g_k, g_c, g_x, new_c = slot_vjp(
-            loop, pert, _per_slot(ops.consts, c_axes, src), c_axes, carry, x,
-            _keys(loop, kd, src, j, S), at_slots(s["cur"], src), ct_y, undo, per_row=per_row,
+            loop, pert, consts, c_axes, carry, x, _keys(loop, keys, None, j, S),
+            at_slots(s["cur"], src), ct_y, undo, per_row=per_row,
         )  # fmt: skip
         if loop.thinning:
             s["rec"] = _store.put_cells(s["rec"], b, p, new_c, live & recompute)
@@ -239,11 +243,21 @@ def backward(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes: list, x_axes
     return out["acc"], out["cur"], out["ct_xs"], out["t"]
 
 
+def _idle_fill(view: Slots, leaves: list, axes: list | None = None) -> list:
+    """With ``view.fill`` set, the idle slots' rows of the per-slot ``leaves`` (axis 0; ``axes``
+    None: all of them) replaced by row ``fill``'s: the inputs of a step that sample takes."""
+    if view.fill is None:
+        return leaves
+    axes = [0] * len(leaves) if axes is None else axes
+    return [jnp.where(rows_mask(view.live, x), x, index_in(x, view.fill, 0)) if ax == 0 else x
+            for x, ax in zip(leaves, axes, strict=True)]  # fmt: skip
+
+
 def _add_rows(acc: jax.Array, b: Any, g: jax.Array, live: jax.Array) -> jax.Array:
     """``acc[b[s]] += g[s]`` for the live slots (in place for a lockstep schedule)."""
     if b is None:
         return acc + jnp.where(rows_mask(live, g), g, 0)
-    return acc.at[jnp.where(live, b, acc.shape[0])].add(g, mode="drop")
+    return acc.at[jnp.where(live, b, acc.shape[0])].add(g, **DROP)
 
 
 def _accumulators(pert: Perturbed, consts, c_axes, B: int, per_row: bool) -> list:

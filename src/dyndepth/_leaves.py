@@ -11,6 +11,12 @@ from jax import lax
 
 Leaves = list[Any]
 
+# Options of ``x.at[idx]``'s gathers and scatters for the indices a loop body computes, never
+# negative: no wrap of negative indices (on a TPU its compare and select are a kernel of their
+# own every loop iteration). IN_BOUNDS: every index in range; DROP: rows out of range dropped.
+IN_BOUNDS = dict(mode="promise_in_bounds", wrap_negative_indices=False)
+DROP = dict(mode="drop", wrap_negative_indices=False)
+
 
 def is_diff(x: Any) -> bool:
     """Whether ``x`` has a floating (differentiable) dtype."""
@@ -42,6 +48,21 @@ def where_rows(mask: jax.Array, new: Sequence[Any], old: Sequence[Any]) -> Leave
     return [jnp.where(rows_mask(mask, a), a, b) for a, b in zip(new, old, strict=True)]
 
 
+def index_in(x: jax.Array, i: jax.Array, axis: int) -> jax.Array:
+    """``x[..., i, ...]`` at ``axis``, ``i`` in range (no wrap of a negative index: on a TPU
+    its add, compare and select are scalar kernels of their own every loop iteration)."""
+    part = lax.dynamic_slice_in_dim(x, i, 1, axis, allow_negative_indices=False)
+    return lax.squeeze(part, (axis,))
+
+
+def update_in(x: jax.Array, value: jax.Array, i: jax.Array, axis: int) -> jax.Array:
+    """``x[..., i, ...] = value`` at ``axis``, ``i`` in range (see :func:`index_in`)."""
+    start = [jnp.zeros((), jnp.result_type(i))] * x.ndim
+    start[axis] = i
+    return lax.dynamic_update_slice(x, jnp.expand_dims(value, axis), start,
+                                    allow_negative_indices=False)  # fmt: skip
+
+
 def gather_rows(bufs: Sequence[Any], idx: jax.Array) -> Leaves:
     """``buf[b, idx[b]]`` for every (B, T, ...) buffer; the index is clamped into range."""
     return [
@@ -52,7 +73,7 @@ def gather_rows(bufs: Sequence[Any], idx: jax.Array) -> Leaves:
 
 def at_index(bufs: Sequence[Any], i: jax.Array) -> Leaves:
     """``buf[i]`` for every buffer (no batch axis, or a step-major one: ``(T, B, ...)``)."""
-    return [lax.dynamic_index_in_dim(b, i, 0, keepdims=False) for b in bufs]
+    return [index_in(b, i, 0) for b in bufs]
 
 
 def put_index(bufs: Sequence[Any], i: jax.Array, vals: Sequence[Any], mask=None) -> Leaves:
@@ -61,7 +82,7 @@ def put_index(bufs: Sequence[Any], i: jax.Array, vals: Sequence[Any], mask=None)
     slice: what a TPU writes fastest, about 10 times a scatter of the same rows)."""
     if mask is not None:
         vals = where_rows(mask, vals, at_index(bufs, i))
-    return [lax.dynamic_update_index_in_dim(b, v, i, 0) for b, v in zip(bufs, vals, strict=True)]
+    return [update_in(b, v, i, 0) for b, v in zip(bufs, vals, strict=True)]
 
 
 def expand(leaves: Sequence[Any]) -> Leaves:

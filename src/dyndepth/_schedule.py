@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ._leaves import DROP, IN_BOUNDS
 from ._slots import iterations
 
 
@@ -40,7 +41,7 @@ def at_slots(leaves: list, b: Any) -> list:
     None: the rows themselves (a lockstep slot is its sample)."""
     if b is None:
         return list(leaves)
-    return [x.at[b].get(mode="promise_in_bounds") for x in leaves]
+    return [x.at[b].get(**IN_BOUNDS) for x in leaves]
 
 
 def put_slots(leaves: list, b: Any, values: list, live: jax.Array) -> list:
@@ -48,7 +49,7 @@ def put_slots(leaves: list, b: Any, values: list, live: jax.Array) -> list:
     if b is None:
         return [jnp.where(_rows(live, v), v, x) for x, v in zip(leaves, values, strict=True)]
     drop = jnp.where(live, b, leaves[0].shape[0] if leaves else 0)
-    return [x.at[drop].set(v, mode="drop") for x, v in zip(leaves, values, strict=True)]
+    return [x.at[drop].set(v, **DROP) for x, v in zip(leaves, values, strict=True)]
 
 
 def _rows(mask: jax.Array, x: jax.Array) -> jax.Array:
@@ -66,13 +67,16 @@ class Slots:
     ``read`` (``b`` unless set), and discards the result. A backward pass makes them the inputs
     of a step some sample took: a carry the loop never stepped from (a sample with no steps)
     may make the step's Jacobian NaN, and ``0 x NaN`` would poison a shared parameter's
-    gradient, summed over the slots."""
+    gradient, summed over the slots. ``fill`` (a row, with ``b`` None and a shared ``i``):
+    the slots read their own rows at step ``i``, and the idle ones then take row ``fill``'s
+    inputs instead, a step that sample takes (reads stay slices, not gathers)."""
 
     b: Any
     i: jax.Array
     live: jax.Array
     after: dict = dataclasses.field(default_factory=dict)
     read: Any = "b"
+    fill: Any = None
 
     @property
     def rows(self) -> Any:
@@ -86,10 +90,25 @@ class Slots:
 @dataclasses.dataclass(frozen=True)
 class Lockstep:
     """Every sample in its own slot, at step ``t``, until its ``lengths`` steps are done;
-    ``reverse``: the samples' reverse sweeps, ``i`` the forward step being undone."""
+    ``reverse``: the samples' reverse sweeps, ``i`` the forward step being undone.
+
+    A reverse sweep ``at_end`` undoes the same step ``T - 1 - t`` in every slot (``T`` the
+    longest length): the samples' sweeps end together, so every per-sample read and write
+    is at one shared step (a slice of the stored carries, not a gather), and a sample whose
+    sweep has not begun idles at the longest sample's inputs. Otherwise the sweeps start
+    together (each slot's own unit ``t``: a thinned store's units)."""
 
     lengths: jax.Array
     reverse: bool = False
+    at_end: bool = False
+    # (computed once, before the loop: in its body they would be reductions every iteration)
+    iterations: jax.Array = dataclasses.field(init=False)
+    longest: jax.Array = dataclasses.field(init=False)  # a sample with that many steps
+
+    def __post_init__(self):
+        longest = jnp.argmax(self.lengths) if self.slots else jnp.zeros((), jnp.int32)
+        object.__setattr__(self, "iterations", jnp.max(self.lengths, initial=0))
+        object.__setattr__(self, "longest", longest)
 
     @property
     def slots(self) -> int:
@@ -99,16 +118,20 @@ class Lockstep:
         return {}
 
     def running(self, state: dict, t: jax.Array) -> jax.Array:
-        return t < jnp.max(self.lengths, initial=0)
+        return t < self.iterations
 
     def view(self, state: dict, t: jax.Array) -> Slots:
         if not self.reverse:
             return Slots(None, t, t < self.lengths)
+        if self.at_end:
+            i = self.iterations - 1 - t
+            return Slots(None, i, i < self.lengths, fill=self.longest if self.slots else None)
         # A sample already done reads its step 0; one with no steps, a sample's that has some.
-        stepped = self.lengths > 0
-        some = jnp.argmax(stepped) if self.slots else 0  # (argmax of no samples raises)
-        src = jnp.where(stepped, jnp.arange(self.slots), some)
-        i = jnp.maximum(self.lengths.at[src].get(mode="promise_in_bounds") - 1 - t, 0)
+        src = jnp.where(self.lengths > 0, jnp.arange(self.slots), self.longest)
+        i = jnp.maximum(
+            self.lengths.at[src].get(**IN_BOUNDS) - 1 - t,
+            0,
+        )
         return Slots(None, i, t < self.lengths, read=src)
 
     def advance(self, state: dict, view: Slots, carry: list) -> dict:
@@ -171,7 +194,9 @@ class Wrap:
 
     def view(self, state: dict, t: jax.Array) -> Slots:
         b = state["b"]
-        start, length, head, after = self.table.at[:, b].get(mode="promise_in_bounds")
+        start, length, head, after = self.table.at[:, b].get(
+            mode="promise_in_bounds", wrap_negative_indices=False
+        )
         g = jnp.arange(self.slots, dtype=jnp.int32) * self.iterations + t
         u = g - start  # the position within the sample's run of positions
         step = jnp.where(u >= head, u - head, u + length - head)
@@ -259,11 +284,11 @@ class Refill:
     def advance(self, state: dict, view: Slots, carry: list) -> dict:
         b, live = view.b, view.live
         i = view.i + live.astype(jnp.int32)
-        stop = i >= self.bound.at[b].get(mode="promise_in_bounds")
+        stop = i >= self.bound.at[b].get(**IN_BOUNDS)
         if self.holds is not None:
             stop = stop | ~self.holds(b, carry)
         done = live & stop
-        steps = state["steps"].at[jnp.where(done, b, self.bound.shape[0])].set(i, mode="drop")
+        steps = state["steps"].at[jnp.where(done, b, self.bound.shape[0])].set(i, **DROP)
         # The freed slots take the next pending samples, in order.
         pos = state["next"] + jnp.cumsum(done, dtype=jnp.int32) - 1
         take = done & (pos < self.pending)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _sharding, _vma
+from ._leaves import DROP, IN_BOUNDS, index_in, rows_mask, update_in
 from ._schedule import at_slots
 from ._step import Loop
 
@@ -101,7 +102,7 @@ def put(loop: Loop, store: dict, b: Any, i: jax.Array, carry: list, live: jax.Ar
     out = dict(store, buf=buf)
     if "count" in store:
         B = store["count"].shape[0]
-        out["count"] = store["count"].at[jnp.where(want, _rows_of(b, want), B)].add(1, mode="drop")
+        out["count"] = store["count"].at[jnp.where(want, _rows_of(b, want), B)].add(1, **DROP)
     return out
 
 
@@ -116,10 +117,12 @@ def _rows_of(b: Any, like: jax.Array) -> jax.Array:
 
 def _cells(x: jax.Array, b: Any, k: jax.Array) -> jax.Array:
     if b is None and jnp.ndim(k) == 0:
-        return jax.lax.dynamic_index_in_dim(x, k, 1, keepdims=False)
+        return index_in(x, k, 1)
     rows = jnp.arange(x.shape[0]) if b is None else b
     k = jnp.broadcast_to(k, rows.shape)
-    return x.at[rows, jnp.clip(k, 0, x.shape[1] - 1)].get(mode="promise_in_bounds")
+    return x.at[rows, jnp.clip(k, 0, x.shape[1] - 1)].get(
+        mode="promise_in_bounds", wrap_negative_indices=False
+    )
 
 
 def put_cells(bufs: list, b: Any, k: jax.Array, values: list, want: jax.Array) -> list:
@@ -128,14 +131,13 @@ def put_cells(bufs: list, b: Any, k: jax.Array, values: list, want: jax.Array) -
     if b is None and jnp.ndim(k) == 0:
         out = []
         for x, v in zip(bufs, values, strict=True):
-            old = jax.lax.dynamic_index_in_dim(x, k, 1, keepdims=False)
-            new = jnp.where(want.reshape(want.shape + (1,) * (v.ndim - 1)), v, old)
-            out.append(jax.lax.dynamic_update_index_in_dim(x, new, k, 1))
+            new = jnp.where(rows_mask(want, v), v, index_in(x, k, 1))
+            out.append(update_in(x, new, k, 1))
         return out
     rows = _rows_of(b, want)
     drop = jnp.where(want, rows, bufs[0].shape[0] if bufs else 0)
     k = jnp.broadcast_to(k, rows.shape)
-    return [x.at[drop, k].set(v, mode="drop") for x, v in zip(bufs, values, strict=True)]
+    return [x.at[drop, k].set(v, **DROP) for x, v in zip(bufs, values, strict=True)]
 
 
 def _make_room(loop: Loop, store: dict, b: Any, i: jax.Array, live: jax.Array) -> dict:
@@ -151,14 +153,18 @@ def _make_room(loop: Loop, store: dict, b: Any, i: jax.Array, live: jax.Array) -
         drop = jnp.where(full, rows, s["count"].shape[0])
 
         def halve(x):
-            mine = x.at[rows].get(mode="promise_in_bounds")
+            mine = x.at[rows].get(**IN_BOUNDS)
             pad = jnp.zeros((mine.shape[0], K - kept) + mine.shape[2:], mine.dtype)
-            return x.at[drop].set(jnp.concatenate([mine[:, 0::2], pad], axis=1), mode="drop")
+            return x.at[drop].set(
+                jnp.concatenate([mine[:, 0::2], pad], axis=1),
+                mode="drop",
+                wrap_negative_indices=False,
+            )
 
         return dict(
             buf=[halve(x) for x in s["buf"]],
-            stride=s["stride"].at[drop].set(stride * 2, mode="drop"),
-            count=s["count"].at[drop].set(kept, mode="drop"),
+            stride=s["stride"].at[drop].set(stride * 2, **DROP),
+            count=s["count"].at[drop].set(kept, **DROP),
         )
 
     return _vma.cond(jnp.any(full), thin, lambda s: s, store)

@@ -25,7 +25,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _batched, _budget, _kernels, _schedule, _sharding, _single, _slots, _store, _vma
+from . import (
+    _batched,
+    _budget,
+    _cost,
+    _kernels,
+    _schedule,
+    _sharding,
+    _single,
+    _slots,
+    _store,
+    _vma,
+)
 from ._derivative import Perturbed
 from ._leaves import broadcast_rows, merge, take
 from ._operands import (
@@ -415,6 +426,20 @@ class _BackwardPlan:
         return jnp.where(self.fits, its, two_level), jnp.where(self.fits, its * S, two_level * rows)
 
 
+def _lockstep_at_end(loop: Loop, plan: _BackwardPlan) -> bool:
+    """Whether a lockstep backward pass ends the samples' sweeps together (one shared step per
+    iteration: the stored carries read as slices), or starts them together (per-row reads: a
+    thinned store's units). On a TPU, beside wrap-around slot counts, ending together costs
+    memory: the compiler lays the store out one way for the slices and another for the
+    wrap-around schedule's scatters, and copies it between them (two more copies of the store
+    at B=4096, D=256, 64 carries: `probe` of the compiled value_and_grad's temp memory, 1.28
+    GiB against 0.77); there the lockstep branch reads per row like the others."""
+    if loop.thinning:
+        return False
+    several = plan.rule is not None and len(plan.rule.candidates) > 1
+    return not (several and _cost.current_platform() == "tpu")
+
+
 def _backward_kernel(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes, x_axes,
                      per_sample: bool, per_row: bool) -> tuple:  # fmt: skip
     """Run the backward pass of :class:`_BackwardPlan` over a batch of rows."""
@@ -422,9 +447,10 @@ def _backward_kernel(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes, x_ax
     rows = steps.shape[0]
     plan = _BackwardPlan.of(loop, steps, ops.res.stored.stride, ops.consts, c_axes, per_sample)
 
+    at_end = _lockstep_at_end(loop, plan)
+
     def run(S):
-        sched = (_schedule.Lockstep(plan.units, reverse=True, at_end=not loop.thinning)
-                 if S >= rows
+        sched = (_schedule.Lockstep(plan.units, reverse=True, at_end=at_end) if S >= rows
                  else _schedule.Wrap.of(plan.units, S, reverse=True))  # fmt: skip
         return _kernels.backward(loop, pert, ops, c_axes, x_axes, sched, per_row=per_row)[:3]
 

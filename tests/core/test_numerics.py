@@ -299,6 +299,54 @@ def test_depth0_nan_jacobian_shared_param_repeat_batched(checkpoints, slots):
     tree_allclose(g[1], expected[1], **GTOL)
 
 
+@pytest.mark.parametrize("at_end", [True, False], ids=["sweeps-end-together", "start-together"])
+@pytest.mark.parametrize("hazard", ["log", "sqrt"])
+def test_lockstep_backward_alignments(monkeypatch, at_end, hazard):
+    """Both alignments of the lockstep backward pass (every carry stored): the sweeps ending
+    together (slices; a sample whose sweep has not begun idles at the longest sample's inputs)
+    and starting together (per-row reads, what a TPU runs beside wrap-around slot counts).
+    Steps whose Jacobian is NaN past a sample's depth or at a never-stepped carry: the
+    shared-parameter gradient is finite and equals the plain loop's, with per-sample xs and
+    keys too."""
+    from dyndepth import _dispatch  # noqa: PLC0415 (the decision under test)
+
+    monkeypatch.setattr(_dispatch, "_lockstep_at_end", lambda loop, plan: at_end)
+    body, X, D, W, ref = {
+        "log": (log_body, X_LOG12, D_LOG12, W_LOG, ref_log_loss),
+        "sqrt": (sqrt_body, X_SQRT, D_SQRT, W_SQRT, ref_sqrt_loss),
+    }[hazard]
+    loss = lambda X, w: sq(dd.repeat_batched(body(w), X, D, max_depth=MAXN, slots=len(X)))  # noqa: E731
+    g = jax.jit(jax.grad(loss, argnums=(0, 1)))(X, W)
+    expected = jax.grad(ref, argnums=(0, 1))(X, W, D)
+    assert finite(g[1]), f"shared-parameter gradient {g[1]}"
+    tree_allclose(g, expected, **GTOL)
+
+    # A scan's per-sample xs and a key per step: the same gradients as the plain loop.
+    xs = jax.random.normal(jax.random.PRNGKey(3), (len(X), MAXN, X.shape[1])) * 0.01
+    keys = jax.random.split(jax.random.PRNGKey(4), len(X))
+
+    def one(x, x_seq, d, key, w, plain):
+        def step(c, xi, k):
+            return body(w)(c) + xi * jax.random.uniform(k), None
+
+        if plain:
+            c = x
+            for j in range(int(d)):
+                c = step(c, x_seq[j], dd.step_key(key, j))[0]
+            return c
+        return dd.scan(step, x, x_seq, depth=d, key=key, slots=len(X))[0]
+
+    def batched(xs, w):
+        return sq(jax.vmap(lambda x, s, d, k: one(x, s, d, k, w, False))(X, xs, D, keys))
+
+    def plain(xs, w):
+        return sum(sq(one(X[b], xs[b], D[b], keys[b], w, True)) for b in range(len(X)))
+
+    g = jax.jit(jax.grad(batched, argnums=(0, 1)))(xs, W)
+    assert finite(g[1]), f"shared-parameter gradient {g[1]}"
+    tree_allclose(g, jax.grad(plain, argnums=(0, 1))(xs, W), **GTOL)
+
+
 # ============================================================================= low precision
 
 LP_TOL = {

@@ -81,10 +81,13 @@ def dd_while(xs, ds, return_stats=False):
     def one(x, d):
         body = lambda s: (step(s[0]), s[1] + 1)  # noqa: E731
         return dd.while_loop(lambda s: s[1] < d, body, (x, 0), max_steps=MAX_DEPTH,
-                             return_stats=return_stats)  # fmt: skip
+                             return_info=return_stats)  # fmt: skip
 
     out = jax.vmap(one)(xs, ds)
-    return out if not return_stats else (out[0][0], jax.tree_util.tree_map(lambda s: s[0], out[1]))
+    if not return_stats:
+        return out
+    (carry, _), info = out  # (the batch's one loop: the same iterations in every row)
+    return carry, {"iterations": info["iterations"][0], "backward_iterations": 0}
 
 
 def contenders(shared_row: bool):

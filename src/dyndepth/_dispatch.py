@@ -431,9 +431,9 @@ def _lockstep_at_end(loop: Loop, plan: _BackwardPlan) -> bool:
     iteration: the stored carries read as slices), or starts them together (per-row reads: a
     thinned store's units). On a TPU, beside wrap-around slot counts, ending together costs
     memory: the compiler lays the store out one way for the slices and another for the
-    wrap-around schedule's scatters, and copies it between them (two more copies of the store
-    at B=4096, D=256, 64 carries: `probe` of the compiled value_and_grad's temp memory, 1.28
-    GiB against 0.77); there the lockstep branch reads per row like the others."""
+    wrap-around schedule's scatters, and copies it between them (temp memory 1.28 GiB against
+    0.77 for a 256 MiB store: ``benchmarks/tpu_store_layout.py``); there the lockstep branch
+    reads per row like the others."""
     if loop.thinning:
         return False
     several = plan.rule is not None and len(plan.rule.candidates) > 1

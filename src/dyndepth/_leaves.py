@@ -51,16 +51,12 @@ def where_rows(mask: jax.Array, new: Sequence[Any], old: Sequence[Any]) -> Leave
 def index_in(x: jax.Array, i: jax.Array, axis: int) -> jax.Array:
     """``x[..., i, ...]`` at ``axis``, ``i`` in range (no wrap of a negative index: on a TPU
     its add, compare and select are scalar kernels of their own every loop iteration)."""
-    part = lax.dynamic_slice_in_dim(x, i, 1, axis, allow_negative_indices=False)
-    return lax.squeeze(part, (axis,))
+    return lax.dynamic_index_in_dim(x, i, axis, keepdims=False, allow_negative_indices=False)
 
 
 def update_in(x: jax.Array, value: jax.Array, i: jax.Array, axis: int) -> jax.Array:
     """``x[..., i, ...] = value`` at ``axis``, ``i`` in range (see :func:`index_in`)."""
-    start = [jnp.zeros((), jnp.result_type(i))] * x.ndim
-    start[axis] = i
-    return lax.dynamic_update_slice(x, jnp.expand_dims(value, axis), start,
-                                    allow_negative_indices=False)  # fmt: skip
+    return lax.dynamic_update_index_in_dim(x, value, i, axis, allow_negative_indices=False)
 
 
 def gather_rows(bufs: Sequence[Any], idx: jax.Array) -> Leaves:

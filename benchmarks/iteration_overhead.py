@@ -161,10 +161,14 @@ def measure_batch(label: str, ds: jax.Array, rounds: int) -> None:
 
 
 def main() -> None:
+    global B, WIDTH  # noqa: PLW0603 (the sizes every contender reads)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=50)
     p.add_argument("--quick", action="store_true", help="10 rounds")
+    p.add_argument("--batch", type=int, default=B, help=f"samples (default {B}, at least 32)")
+    p.add_argument("--width", type=int, default=WIDTH, help=f"carry width (default {WIDTH})")
     a = p.parse_args()
+    B, WIDTH = a.batch, a.width
     rounds = 10 if a.quick else a.rounds
     print(machine_line())
     print(f"B={B}, width {WIDTH}, step c + 0.1 * tanh(c), max_depth {MAX_DEPTH}")

@@ -48,9 +48,7 @@ def _xs_at(xs: list, axes: list, b: Any, i: jax.Array, slots: int) -> list:
             if jnp.ndim(i) == 0:
                 v = index_in(x, i, 0)
             else:
-                v = x.at[jnp.clip(i, 0, x.shape[0] - 1)].get(
-                    mode="promise_in_bounds", wrap_negative_indices=False
-                )
+                v = x.at[jnp.clip(i, 0, x.shape[0] - 1)].get(**IN_BOUNDS)
             out.append(jnp.broadcast_to(v, (slots,) + v.shape[jnp.ndim(i) :]))
         else:
             out.append(_store.read([x], b, i)[0])

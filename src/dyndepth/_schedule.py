@@ -128,10 +128,7 @@ class Lockstep:
             return Slots(None, i, i < self.lengths, fill=self.longest if self.slots else None)
         # A sample already done reads its step 0; one with no steps, a sample's that has some.
         src = jnp.where(self.lengths > 0, jnp.arange(self.slots), self.longest)
-        i = jnp.maximum(
-            self.lengths.at[src].get(**IN_BOUNDS) - 1 - t,
-            0,
-        )
+        i = jnp.maximum(self.lengths.at[src].get(**IN_BOUNDS) - 1 - t, 0)
         return Slots(None, i, t < self.lengths, read=src)
 
     def advance(self, state: dict, view: Slots, carry: list) -> dict:
@@ -194,9 +191,7 @@ class Wrap:
 
     def view(self, state: dict, t: jax.Array) -> Slots:
         b = state["b"]
-        start, length, head, after = self.table.at[:, b].get(
-            mode="promise_in_bounds", wrap_negative_indices=False
-        )
+        start, length, head, after = self.table.at[:, b].get(**IN_BOUNDS)
         g = jnp.arange(self.slots, dtype=jnp.int32) * self.iterations + t
         u = g - start  # the position within the sample's run of positions
         step = jnp.where(u >= head, u - head, u + length - head)

@@ -120,9 +120,7 @@ def _cells(x: jax.Array, b: Any, k: jax.Array) -> jax.Array:
         return index_in(x, k, 1)
     rows = jnp.arange(x.shape[0]) if b is None else b
     k = jnp.broadcast_to(k, rows.shape)
-    return x.at[rows, jnp.clip(k, 0, x.shape[1] - 1)].get(
-        mode="promise_in_bounds", wrap_negative_indices=False
-    )
+    return x.at[rows, jnp.clip(k, 0, x.shape[1] - 1)].get(**IN_BOUNDS)
 
 
 def put_cells(bufs: list, b: Any, k: jax.Array, values: list, want: jax.Array) -> list:
@@ -157,8 +155,7 @@ def _make_room(loop: Loop, store: dict, b: Any, i: jax.Array, live: jax.Array) -
             pad = jnp.zeros((mine.shape[0], K - kept) + mine.shape[2:], mine.dtype)
             return x.at[drop].set(
                 jnp.concatenate([mine[:, 0::2], pad], axis=1),
-                mode="drop",
-                wrap_negative_indices=False,
+                **DROP,
             )
 
         return dict(

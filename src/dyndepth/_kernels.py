@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from . import _schedule, _sharding, _store, _vma
 from ._derivative import Perturbed
-from ._leaves import DROP, IN_BOUNDS, index_in, merge, rows_mask, take
+from ._leaves import DROP, IN_BOUNDS, idle_rows_at, index_in, merge, rows_mask, take
 from ._operands import BwdOperands, LoopOperands
 from ._schedule import Slots, at_slots, put_slots
 from ._step import Loop
@@ -242,13 +242,8 @@ def backward(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes: list, x_axes
 
 
 def _idle_fill(view: Slots, leaves: list, axes: list | None = None) -> list:
-    """With ``view.fill`` set, the idle slots' rows of the per-slot ``leaves`` (axis 0; ``axes``
-    None: all of them) replaced by row ``fill``'s: the inputs of a step that sample takes."""
-    if view.fill is None:
-        return leaves
-    axes = [0] * len(leaves) if axes is None else axes
-    return [jnp.where(rows_mask(view.live, x), x, index_in(x, view.fill, 0)) if ax == 0 else x
-            for x, ax in zip(leaves, axes, strict=True)]  # fmt: skip
+    """With ``view.fill`` set, :func:`dyndepth._leaves.idle_rows_at` row ``fill``."""
+    return leaves if view.fill is None else idle_rows_at(view.live, view.fill, leaves, axes)
 
 
 def _add_rows(acc: jax.Array, b: Any, g: jax.Array, live: jax.Array) -> jax.Array:

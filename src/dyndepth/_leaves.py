@@ -59,6 +59,17 @@ def update_in(x: jax.Array, value: jax.Array, i: jax.Array, axis: int) -> jax.Ar
     return lax.dynamic_update_index_in_dim(x, value, i, axis, allow_negative_indices=False)
 
 
+def idle_rows_at(live: jax.Array, row: jax.Array, leaves: Sequence[Any], axes=None) -> Leaves:
+    """The leaves with a row axis (axis 0 where ``axes`` says 0; ``axes`` None: every leaf)
+    with their rows that are not ``live`` replaced by row ``row``'s, a live row: a batched
+    step's idle rows then run at the inputs of a step some sample takes, where its Jacobian is
+    finite if that sample's is (a carry the loop never reached may make it NaN, and ``0 x NaN``
+    would poison a shared parameter's gradient, summed over the rows)."""
+    axes = [0] * len(leaves) if axes is None else axes
+    return [jnp.where(rows_mask(live, x), x, index_in(x, row, 0)) if ax == 0 else x
+            for x, ax in zip(leaves, axes, strict=True)]  # fmt: skip
+
+
 def gather_rows(bufs: Sequence[Any], idx: jax.Array) -> Leaves:
     """``buf[b, idx[b]]`` for every (B, T, ...) buffer; the index is clamped into range."""
     return [
@@ -67,18 +78,21 @@ def gather_rows(bufs: Sequence[Any], idx: jax.Array) -> Leaves:
     ]
 
 
-def at_index(bufs: Sequence[Any], i: jax.Array) -> Leaves:
-    """``buf[i]`` for every buffer (no batch axis, or a step-major one: ``(T, B, ...)``)."""
-    return [index_in(b, i, 0) for b in bufs]
+def at_index(bufs: Sequence[Any], i: jax.Array, axis: int = 0) -> Leaves:
+    """``buf[i]`` at ``axis`` for every buffer (no batch axis, or a step-major one: ``(T, B,
+    ...)``; ``axis=1``: a batch-major ``(B, T, ...)`` one's column)."""
+    return [index_in(b, i, axis) for b in bufs]
 
 
-def put_index(bufs: Sequence[Any], i: jax.Array, vals: Sequence[Any], mask=None) -> Leaves:
-    """``buf[i] = val`` for every buffer (no batch axis); with a (B,) ``mask``, of a step-major
-    ``(T, B, ...)`` buffer, only the rows where it holds (a dynamic update of one contiguous
-    slice: what a TPU writes fastest, about 10 times a scatter of the same rows)."""
+def put_index(bufs: Sequence[Any], i: jax.Array, vals: Sequence[Any], mask=None,
+              axis: int = 0) -> Leaves:  # fmt: skip
+    """``buf[i] = val`` at ``axis`` for every buffer (no batch axis); with a (B,) ``mask``, of a
+    step-major ``(T, B, ...)`` buffer (or a batch-major one's column, ``axis=1``), only the rows
+    where it holds (a dynamic update of one slice: step-major, what a TPU writes fastest, about
+    10 times a scatter of the same rows)."""
     if mask is not None:
-        vals = where_rows(mask, vals, at_index(bufs, i))
-    return [update_in(b, v, i, 0) for b, v in zip(bufs, vals, strict=True)]
+        vals = where_rows(mask, vals, at_index(bufs, i, axis))
+    return [update_in(b, v, i, axis) for b, v in zip(bufs, vals, strict=True)]
 
 
 def expand(leaves: Sequence[Any]) -> Leaves:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _sharding, _vma
-from ._leaves import DROP, IN_BOUNDS, index_in, rows_mask, update_in
+from ._leaves import DROP, IN_BOUNDS, index_in, put_index
 from ._schedule import at_slots
 from ._step import Loop
 
@@ -127,11 +127,7 @@ def put_cells(bufs: list, b: Any, k: jax.Array, values: list, want: jax.Array) -
     """``buf[b[s], k[s]] = value[s]`` where ``want``; one shared ``k`` with ``b`` None is a
     column write (a dynamic update slice, not a scatter)."""
     if b is None and jnp.ndim(k) == 0:
-        out = []
-        for x, v in zip(bufs, values, strict=True):
-            new = jnp.where(rows_mask(want, v), v, index_in(x, k, 1))
-            out.append(update_in(x, new, k, 1))
-        return out
+        return put_index(bufs, k, values, want, axis=1)
     rows = _rows_of(b, want)
     drop = jnp.where(want, rows, bufs[0].shape[0] if bufs else 0)
     k = jnp.broadcast_to(k, rows.shape)
@@ -153,10 +149,7 @@ def _make_room(loop: Loop, store: dict, b: Any, i: jax.Array, live: jax.Array) -
         def halve(x):
             mine = x.at[rows].get(**IN_BOUNDS)
             pad = jnp.zeros((mine.shape[0], K - kept) + mine.shape[2:], mine.dtype)
-            return x.at[drop].set(
-                jnp.concatenate([mine[:, 0::2], pad], axis=1),
-                **DROP,
-            )
+            return x.at[drop].set(jnp.concatenate([mine[:, 0::2], pad], axis=1), **DROP)
 
         return dict(
             buf=[halve(x) for x in s["buf"]],

@@ -23,7 +23,6 @@ from ._derivative import Perturbed
 from ._leaves import (
     at_index,
     gather_rows,
-    idle_rows_at,
     merge,
     put_index,
     rows_mask,
@@ -68,14 +67,18 @@ def rows_vjp(loop: Loop, pert: Perturbed, consts, c_axes, carry, x, key, ct_c, c
     kp, cp, xp = pert.consts, pert.carry, pert.xs
     d_axes = take(c_axes, kp)
     # Inactive rows (finished samples, idle slots, steps past a short segment) hold carries the
-    # loop never reached: they run at an active row's inputs, and their zero cotangent then
-    # contributes 0.
+    # loop never reached, where the step's Jacobian may be inf/NaN: with a zero cotangent, 0 * NaN
+    # would still poison the shared-parameter sum. They are evaluated at an active row's inputs
+    # instead, a point of a genuine trajectory, and their zero cotangent then contributes 0.
+    # (A gather, not _leaves.idle_rows_at's select: with the select, the TPU compiler copied the
+    # recompute buffer, 554 -> 790 MiB temp at B=4096, D=1024 in benchmarks/tpu.py.)
     B = act.shape[0]
     if not isinstance(B, int) or B > 1:  # (a symbolic batch size under jax.export: not an int)
-        some = jnp.argmax(act)
-        carry, x = idle_rows_at(act, some, carry), idle_rows_at(act, some, x)
-        key = None if key is None else idle_rows_at(act, some, [key])[0]
-        consts = idle_rows_at(act, some, consts, c_axes)
+        src = jnp.where(act, jnp.arange(B), jnp.argmax(act))
+        carry = [c[src] for c in carry]
+        x = [a[src] for a in x]
+        key = None if key is None else key[src]
+        consts = [c[src] if ax == 0 else c for c, ax in zip(consts, c_axes, strict=True)]
     ct_c = [jnp.where(rows_mask(act, c), c, 0) for c in ct_c]
     ct_y = [jnp.where(rows_mask(act, c), c, 0) for c in ct_y]
 

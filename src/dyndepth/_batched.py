@@ -154,7 +154,7 @@ def backward(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, steps, ct
         s = dict(s)
         s["acc"] = [a + g for a, g in zip(s["acc"], g_k, strict=True)]
         s["ct"] = where_rows(act, g_c, s["ct"])
-        s["ct_xs"] = _store.put_cells(s["ct_xs"], None, idx, g_x, act)
+        s["ct_xs"] = _store.put_cells(s["ct_xs"], None, idx, g_x, act, 1)
         return s
 
     state = dict(
@@ -178,7 +178,7 @@ def backward(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, steps, ct
         seg_act = j >= 0
         start = jnp.maximum(j, 0) * stride
         length = jnp.where(seg_act, jnp.minimum(stride, steps - start), 0)
-        c0 = gather_rows(buf, jnp.maximum(j, 0))
+        c0 = _store.read(buf, None, jnp.maximum(j, 0))
         if S == 1:
             s = reverse_step(s, start, c0, seg_act)
         elif not sub:

@@ -164,12 +164,12 @@ def fitted(loop: Loop, batch: tuple) -> Loop:
     return _with_checkpoints(loop, checkpoints_for(loop, rows))
 
 
-def matching(loop: Loop, buffer_leaf: Any, carry_aval: Any) -> Loop:
-    """The loop whose forward pass stored ``buffer_leaf`` (the stored carries of the leaf of
-    ``carry_aval``, checkpoint slots on the axis before the carry's own)."""
+def matching(loop: Loop, buffer_leaf: Any) -> Loop:
+    """The loop whose forward pass stored ``buffer_leaf`` (the stored carries of one carry
+    leaf, checkpoint slots on its first axis: :mod:`dyndepth._store`)."""
     if loop.strategy not in ("auto", "checkpointed"):
         return loop
-    slots = buffer_leaf.shape[len(buffer_leaf.shape) - len(carry_aval.shape) - 1]
+    slots = buffer_leaf.shape[0]
     if slots == loop.slots_stored:
         return loop
     return _with_checkpoints(loop, slots if slots < loop.max_steps else None)

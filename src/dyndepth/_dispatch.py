@@ -19,6 +19,7 @@ picks the kernel:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection, Sequence
 from functools import partial
 from typing import Any
 
@@ -28,7 +29,6 @@ import jax.numpy as jnp
 from . import (
     _batched,
     _budget,
-    _cost,
     _kernels,
     _schedule,
     _sharding,
@@ -51,6 +51,7 @@ from ._operands import (
 from ._per_device import Across, partitioning, per_device
 from ._residuals import ResidualPlan
 from ._step import Loop
+from ._store import ROW_AXIS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,22 +82,21 @@ def _schedulable(loop: Loop, rows: Any) -> bool:
     return loop.strategy == "auto" and isinstance(rows, int) and rows > 1
 
 
-def _outer_vmap(fn, batch: Batch, operands, out_axes, finish, shared):
-    """``fn`` mapped over the outermost level with ``jax.vmap``; ``finish`` turns the mapped
-    outputs into the final ones.
+def _outer_vmap(fn, level: Level, operands, in_axes, out_axes, finish, shared):
+    """``fn`` mapped over the outermost ``level`` with ``jax.vmap`` (``in_axes``: each operand's
+    axis of that level, or None); ``finish`` turns the mapped outputs into the final ones.
 
     When that level is sharded over a mesh, the map runs once per device on its shard (a loop
     inside ``vmap`` stops when its last element does, so a map over every device's elements
     would put a collective over the batch axis inside the loop). ``shared`` maps the position of
     each output not batched over the level to ``merge(value, across)``, which combines it over
     the devices."""
-    level = batch[-1]
-    flags = list(level.batched)
 
     def run(*ops):
         # this device's share of the level (all of it on one device)
-        size = next((op.shape[0] for op, b in zip(ops, flags, strict=True) if b), level.size)
-        mapped = jax.vmap(fn, in_axes=_axes(flags), out_axes=out_axes, axis_size=size)
+        size = next((op.shape[ax] for op, ax in zip(ops, in_axes, strict=True) if ax is not None),
+                    level.size)  # fmt: skip
+        mapped = jax.vmap(fn, in_axes=list(in_axes), out_axes=out_axes, axis_size=size)
         with partitioning(False):  # the inner levels' kernels already run on this device
             return finish(list(mapped(*ops)))
 
@@ -107,12 +107,16 @@ def _outer_vmap(fn, batch: Batch, operands, out_axes, finish, shared):
     def combine(values, across):
         return [merge_one(v, across) for merge_one, v in zip(shared.values(), values, strict=True)]
 
-    probe = [op for op, b in zip(operands, flags, strict=True) if b]
+    probe = [op for op, ax in zip(operands, in_axes, strict=True) if ax == 0]
+    kept_axes = (out_axes if isinstance(out_axes, int)
+                 else [ax for i, ax in enumerate(out_axes) if i not in shared])  # fmt: skip
     # (a parameter split over `model` is gathered: under this map, the inner loops' switch over
     # slot counts becomes a select whose cases a `model` split would type unlike its index)
+    in_batched = tuple(False if ax is None else ax for ax in in_axes)  # (per_device's flags)
     kept, merged = per_device(
-        split, tuple(operands), tuple(flags), probe, (combine,), gather_params=True
-    )
+        split, tuple(operands), in_batched, probe, (combine,), gather_params=True,
+        out_axes=(kept_axes,),
+    )  # fmt: skip
     out = list(kept)
     for i, v in sorted(zip(shared, merged, strict=True), key=lambda p: p[0]):
         out.insert(i, v)
@@ -141,14 +145,15 @@ def forward(loop: Loop, batch: Batch, store: bool, plan: ResidualPlan | None,
         return forward(loop, batch[:-1], store, plan, pert, LoopOperands.split(flat, loop))
 
     nc, ny, n_ext = len(loop.carry_avals), len(loop.y_avals), n_stored(plan)
-    # Every output gains the outer axis but the stored-residual buffers (unfilled, shared).
+    # Every output gains the outer axis (the stored carries after their slots) but the
+    # stored-residual buffers (unfilled, shared).
     axes = LoopOutputs([0] * nc, [0] * ny, 0, 0,
-                       Stored([0] * nc, 0, [None] * n_ext) if store else None)  # fmt: skip
+                       Stored([ROW_AXIS] * nc, 0, [None] * n_ext) if store else None)  # fmt: skip
     # What the devices combine: the inner loops' stats; the unfilled buffers are alike.
     merges = LoopOutputs([None] * nc, [None] * ny, None, _batched.merge_stats,
                          Stored([None] * nc, None, [_same] * n_ext) if store else None)  # fmt: skip
     shared = {i: m for i, m in enumerate(merges.flat()) if m is not None}
-    return _outer_vmap(inner, batch, ops.flat(), axes.flat(),
+    return _outer_vmap(inner, batch[-1], ops.flat(), _axes(batch[-1].batched), axes.flat(),
                        partial(_combine_stats, loop, store, n_ext), shared)  # fmt: skip
 
 
@@ -200,7 +205,7 @@ def _forward_rows(loop, level, store, plan, ops: LoopOperands) -> list:
             _leaf_or_none(kd))  # fmt: skip
     carry, ys, steps, res, stats = per_device(
         run, (ops.consts, ops.cconsts, init, ops.xs, n, kd), in_b, (n, init),
-        (_batched.merge_stats,),
+        (_batched.merge_stats,), out_axes=(0, 0, 0, ([ROW_AXIS] * nc, 0) if store else 0),
     )  # fmt: skip
     # A shared depth (and no predicate) leaves the steps unbatched: the backward pass then
     # runs in lockstep, unscheduled (nothing to save).
@@ -306,7 +311,7 @@ def backward(loop: Loop, batch: Batch, pert: Perturbed, plan: ResidualPlan | Non
     """The reverse sweep. Returns the flat :class:`dyndepth._operands.Cotangents` (of the
     perturbed consts, init and xs leaves)."""
     if loop.carry_avals:  # the checkpoints the forward pass stored, whatever batch it ran over
-        loop = _budget.matching(loop, ops.res.stored.buf[0], loop.carry_avals[0])
+        loop = _budget.matching(loop, ops.res.stored.buf[0])
     if not batch:
         stored = ops.res.stored
         use = plan if use_ext else None
@@ -334,7 +339,20 @@ def backward(loop: Loop, batch: Batch, pert: Perturbed, plan: ResidualPlan | Non
         return dataclasses.replace(g, consts=k).flat()
 
     shared = {i: _summed for i, s in enumerate(summed) if s}  # (the consts' come first)
-    return _outer_vmap(inner, batch, ops.flat(), 0, reduce, shared)
+    return _outer_vmap(inner, level, ops.flat(), _bwd_axes(level.batched, loop, pert, plan), 0,
+                       reduce, shared)  # fmt: skip
+
+
+def _bwd_axes(batched: tuple, loop: Loop, pert: Perturbed, plan: ResidualPlan | None) -> list:
+    """Each backward operand's axis of a batch level (its ``batched`` flags)."""
+    at = BwdOperands.split(list(range(len(batched))), loop, pert, plan).res.stored.buf
+    return level_axes(batched, at)
+
+
+def level_axes(batched: Sequence[bool], stored_at: Collection[int] = ()) -> list:
+    """Each operand's axis of a batch level: None (not batched), 0, or for the stored carries
+    (at positions ``stored_at``) :data:`dyndepth._store.ROW_AXIS`, after their slots."""
+    return [None if not b else ROW_AXIS if j in stored_at else 0 for j, b in enumerate(batched)]
 
 
 def _backward_rows(loop, level, pert, plan, use_ext, ops: BwdOperands) -> list:
@@ -348,7 +366,8 @@ def _backward_rows(loop, level, pert, plan, use_ext, ops: BwdOperands) -> list:
                 loop, (), pert, plan, use_ext, BwdOperands.split(flat, loop, pert, plan)
             )
 
-        return jax.vmap(unbatched, in_axes=_axes(flags.flat()), axis_size=R)(*ops.flat())
+        in_axes = _bwd_axes(level.batched, loop, pert, plan)
+        return jax.vmap(unbatched, in_axes=in_axes, axis_size=R)(*ops.flat())
     res, res_b = ops.res, flags.res
     # Shared xs stay shared unless perturbed: their cotangents are per row (summed by the
     # transpose over the levels that did not batch them).
@@ -358,7 +377,7 @@ def _backward_rows(loop, level, pert, plan, use_ext, ops: BwdOperands) -> list:
     x_axes = [None if sh else 0 for sh in x_shared]
     kd = None if loop.keys is None else broadcast_rows([ops.kd], [flags.kd], R)[0]
     steps = broadcast_rows([res.steps], [res_b.steps], R)[0]
-    buf = broadcast_rows(res.stored.buf, res_b.stored.buf, R)
+    buf = broadcast_rows(res.stored.buf, res_b.stored.buf, R, ROW_AXIS)
     stride = broadcast_rows([res.stored.stride], [True], R)[0]
     ct_c = broadcast_rows(ops.ct_carry, flags.ct_carry, R)
     ct_y = broadcast_rows(ops.ct_ys, flags.ct_ys, R)
@@ -378,11 +397,10 @@ def _backward_rows(loop, level, pert, plan, use_ext, ops: BwdOperands) -> list:
     # shared consts' cotangents are summed over the devices afterwards.
     nc = len(buf)
     args = (ops.consts, xs, kd, buf, stride, steps, ct_c, ct_y)
-    in_b = (list(flags.consts), [ax == 0 for ax in x_axes], _leaf_or_none(kd), [True] * nc, True,
-            True,
-            [True] * len(ct_c), [True] * len(ct_y))  # fmt: skip
+    in_b = (list(flags.consts), [ax == 0 for ax in x_axes], _leaf_or_none(kd), [ROW_AXIS] * nc,
+            True, True, [True] * len(ct_c), [True] * len(ct_y))  # fmt: skip
     ct, ct_xs, acc_rows, acc_shared = per_device(
-        run, args, in_b, (steps, buf, ct_c), (lambda acc, across: [across.sum(a) for a in acc],)
+        run, args, in_b, (steps, ct_c), (lambda acc, across: [across.sum(a) for a in acc],)
     )
     return Cotangents(merge(acc_rows, acc_shared, k_rows), ct, ct_xs).flat()
 
@@ -426,18 +444,11 @@ class _BackwardPlan:
         return jnp.where(self.fits, its, two_level), jnp.where(self.fits, its * S, two_level * rows)
 
 
-def _lockstep_at_end(loop: Loop, plan: _BackwardPlan) -> bool:
+def _lockstep_at_end(loop: Loop) -> bool:
     """Whether a lockstep backward pass ends the samples' sweeps together (one shared step per
-    iteration: the stored carries read as slices), or starts them together (per-row reads: a
-    thinned store's units). On a TPU, beside wrap-around slot counts, ending together costs
-    memory: the compiler lays the store out one way for the slices and another for the
-    wrap-around schedule's scatters, and copies it between them (temp memory 1.28 GiB against
-    0.77 for a 256 MiB store: ``benchmarks/tpu_store_layout.py``); there the lockstep branch
-    reads per row like the others."""
-    if loop.thinning:
-        return False
-    several = plan.rule is not None and len(plan.rule.candidates) > 1
-    return not (several and _cost.current_platform() == "tpu")
+    iteration: the stored carries read as slices of the slot-major store) or starts them
+    together (per-row reads: a thinned store's units are per row)."""
+    return not loop.thinning
 
 
 def _backward_kernel(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes, x_axes,
@@ -447,7 +458,7 @@ def _backward_kernel(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes, x_ax
     rows = steps.shape[0]
     plan = _BackwardPlan.of(loop, steps, ops.res.stored.stride, ops.consts, c_axes, per_sample)
 
-    at_end = _lockstep_at_end(loop, plan)
+    at_end = _lockstep_at_end(loop)
 
     def run(S):
         sched = (_schedule.Lockstep(plan.units, reverse=True, at_end=at_end) if S >= rows

@@ -51,7 +51,7 @@ def _xs_at(xs: list, axes: list, b: Any, i: jax.Array, slots: int) -> list:
                 v = x.at[jnp.clip(i, 0, x.shape[0] - 1)].get(**IN_BOUNDS)
             out.append(jnp.broadcast_to(v, (slots,) + v.shape[jnp.ndim(i) :]))
         else:
-            out.append(_store.read([x], b, i)[0])
+            out.append(_store.cells([x], b, i, 1)[0])
     return out
 
 
@@ -59,7 +59,7 @@ def _put_ys(ys: list, view: Slots, values: list) -> list:
     """``ys[b, i] = y`` for the live slots (``ys`` zero elsewhere, as the loop's outputs are)."""
     if not ys:
         return ys
-    return _store.put_cells(ys, view.b, view.i, values, view.live)
+    return _store.put_cells(ys, view.b, view.i, values, view.live, 1)
 
 
 def _keys(loop: Loop, kd: Any, rows: Any, i: jax.Array, slots: int) -> Any:
@@ -199,7 +199,7 @@ def backward(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes: list, x_axes
     # steps and stride, read with one gather per iteration.
     if loop.thinning:
         R = _store.recompute_rows(loop)
-        state["rec"] = [_sharding.zeros((B, R), a) for a in loop.carry_avals]
+        state["rec"] = [_sharding.zeros((R, B), a) for a in loop.carry_avals]
         layout = jnp.stack([ops.res.steps.astype(jnp.int32), ops.res.stored.stride])
 
     def body(s):
@@ -220,7 +220,7 @@ def backward(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes: list, x_axes
             j, undo = view.i, live
             carry = _idle_fill(view, _store.read(buf, src, j))
         x = _idle_fill(view, _xs_at(ops.xs, x_axes, src, j, S), x_axes)
-        ct_y = _store.read(ops.ct_ys, src, j)
+        ct_y = _store.cells(ops.ct_ys, src, j, 1)
         consts = _idle_fill(view, _per_slot(ops.consts, c_axes, src), c_axes)
         keys = None if kd is None else _idle_fill(view, [at_slots([kd], src)[0]])[0]
         g_k, g_c, g_x, new_c = slot_vjp(
@@ -228,11 +228,11 @@ def backward(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes: list, x_axes
             at_slots(s["cur"], src), ct_y, undo, per_row=per_row,
         )  # fmt: skip
         if loop.thinning:
-            s["rec"] = _store.put_cells(s["rec"], b, p, new_c, live & recompute)
+            s["rec"] = _store.put_cells(s["rec"], b, p, new_c, live & recompute, 0)
         s["cur"] = put_slots(s["cur"], b, list(g_c), undo)
         s["acc"] = [_add_rows(a, b, g, undo) if r else a + g
                     for a, g, r in zip(s["acc"], g_k, rows, strict=True)]  # fmt: skip
-        s["ct_xs"] = _store.put_cells(s["ct_xs"], b, j, list(g_x), undo)
+        s["ct_xs"] = _store.put_cells(s["ct_xs"], b, j, list(g_x), undo, 1)
         s["sched"] = sched.advance(s["sched"], view, [])
         s["t"] = t + 1
         return s

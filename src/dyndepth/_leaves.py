@@ -95,17 +95,23 @@ def put_index(bufs: Sequence[Any], i: jax.Array, vals: Sequence[Any], mask=None,
     return [update_in(b, v, i, axis) for b, v in zip(bufs, vals, strict=True)]
 
 
-def expand(leaves: Sequence[Any]) -> Leaves:
-    return [jnp.expand_dims(x, 0) for x in leaves]
+def expand(leaves: Sequence[Any], axis: int = 0) -> Leaves:
+    """Every leaf with a row axis of one at ``axis``."""
+    return [jnp.expand_dims(x, axis) for x in leaves]
 
 
-def squeeze(leaves: Sequence[Any]) -> Leaves:
-    return [x[0] for x in leaves]
+def squeeze(leaves: Sequence[Any], axis: int = 0) -> Leaves:
+    """Every leaf's only row, at ``axis``."""
+    return [lax.index_in_dim(x, 0, axis, keepdims=False) for x in leaves]
 
 
-def broadcast_rows(leaves: Sequence[Any], batched: Sequence[bool], rows: int) -> Leaves:
-    """Give every unbatched leaf a leading axis of ``rows`` (a broadcast, not a copy in XLA)."""
-    return [
-        x if b else jnp.broadcast_to(x, (rows,) + jnp.shape(x))
-        for x, b in zip(leaves, batched, strict=True)
-    ]
+def broadcast_rows(leaves: Sequence[Any], batched: Sequence[bool], rows: int,
+                   axis: int = 0) -> Leaves:  # fmt: skip
+    """Give every unbatched leaf a row axis of ``rows`` at ``axis`` (a broadcast, not a copy
+    in XLA)."""
+
+    def spread(x):
+        shape = jnp.shape(x)
+        return jnp.broadcast_to(jnp.expand_dims(x, axis), shape[:axis] + (rows,) + shape[axis:])
+
+    return [x if b else spread(x) for x, b in zip(leaves, batched, strict=True)]

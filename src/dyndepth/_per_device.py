@@ -134,24 +134,46 @@ class Across:
 
 
 def per_device(fn: Callable, args: tuple, in_batched: Any, probe: Any,
-               merges: tuple[Callable, ...] = (),
-               gather_params: bool = False) -> tuple:  # fmt: skip
+               merges: tuple[Callable, ...] = (), gather_params: bool = False,
+               out_axes: Any = 0) -> tuple:  # fmt: skip
     """``fn(*args)``, once per device on its shard of the batch when the batch is sharded.
 
-    ``in_batched`` (a pytree of bools shaped like ``args``) marks the leaves with a leading batch
-    axis; the others are replicated. ``fn`` returns a tuple whose last ``len(merges)`` entries
-    are per-device values: ``merge(value, across)`` combines them over the devices (``across``:
-    an :class:`Across`); every other output has a leading batch axis and stays split. ``probe``
-    holds batched leaves whose types may carry an ``Explicit`` sharding. On an ``Explicit``
+    ``in_batched`` (a pytree shaped like ``args``) marks the leaves with a batch axis: ``True``
+    (axis 0) or the axis (an ``int``: a store's rows follow its slots); ``False`` or ``None``:
+    replicated. ``fn`` returns a tuple whose last ``len(merges)`` entries are per-device
+    values: ``merge(value, across)`` combines them over the devices (``across``: an
+    :class:`Across`); every other output has a batch axis and stays split, at the axis
+    ``out_axes`` gives (a pytree prefix of those outputs). ``probe`` holds leaves whose leading
+    axis is the batch's, whose types may carry an ``Explicit`` sharding. On an ``Explicit``
     mesh, a replicated leaf split over other axes than the batch's (a tensor-parallel weight)
     stays split, unless ``gather_params``.
     """
     mesh, axes = _sharding.batch_mesh(probe)
     if mesh is not None:
-        return _in_shard_map(fn, args, in_batched, merges, mesh, axes, gather_params)
+        return _in_shard_map(fn, args, in_batched, merges, mesh, axes, gather_params, out_axes)
     if _PARTITIONING.get() and not _sharding.manual_axes() and not _explicit_typed(args):
-        return _partitioned(fn, args, in_batched, merges)
+        return _partitioned(fn, args, in_batched, merges, out_axes)
     return _merged(fn(*args), merges, Across())
+
+
+def _batch_axis(flag: Any) -> int | None:
+    """The batch axis an ``in_batched`` entry of :func:`per_device` names, or None."""
+    if flag is None or flag is False:
+        return None
+    return 0 if flag is True else int(flag)
+
+
+def _at_axis(axis: int | None, entry: Any) -> P:
+    """The partition spec that splits axis ``axis`` over ``entry`` (replicated: None)."""
+    return P() if axis is None else P(*([None] * axis), entry)
+
+
+def _out_leaf_axes(out_axes: Any, kept: Any) -> list[int]:
+    """The batch axis of every leaf of the split outputs ``kept``, from the prefix ``out_axes``."""
+    prefix = jax.tree_util.tree_structure(out_axes)
+    subtrees = prefix.flatten_up_to(kept)
+    return [ax for ax, sub in zip(jax.tree_util.tree_leaves(out_axes), subtrees, strict=True)
+            for _ in jax.tree_util.tree_leaves(sub)]  # fmt: skip
 
 
 def _explicit_typed(leaves: Any) -> bool:
@@ -168,9 +190,10 @@ def _merged(out: tuple, merges: tuple[Callable, ...], across: Across) -> tuple:
     return keep + tuple(m(v, across) for m, v in zip(merges, per_dev, strict=True))
 
 
-def _in_shard_map(fn, args, in_batched, merges, mesh, axes, gather_params) -> tuple:
-    spec = P(axes if len(axes) > 1 else axes[0])
-    in_specs = jax.tree_util.tree_map(lambda b: spec if b else P(), in_batched)
+def _in_shard_map(fn, args, in_batched, merges, mesh, axes, gather_params, out_axes) -> tuple:
+    entry = axes if len(axes) > 1 else axes[0]
+    in_specs = jax.tree_util.tree_map(lambda b: _at_axis(_batch_axis(b), entry), in_batched)
+    out_specs = jax.tree_util.tree_map(lambda ax: _at_axis(ax, entry), out_axes)
 
     def placed(a, want):
         # shard_map takes Explicit-typed inputs only as typed: a batch leaf broadcast inside
@@ -194,7 +217,7 @@ def _in_shard_map(fn, args, in_batched, merges, mesh, axes, gather_params) -> tu
         out = _merged(fn(*a), merges, Across(axes))
         return out[: len(out) - len(merges)], out[len(out) - len(merges) :]
 
-    keep, merged = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(spec, P()),
+    keep, merged = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(out_specs, P()),
                                  axis_names=set(axes))(*args)  # fmt: skip
     return keep + merged
 
@@ -226,14 +249,14 @@ def _warn_gathered(args: Any, axes: tuple[str, ...]) -> None:
         )
 
 
-def _partitioned(fn, args, in_batched, merges) -> tuple:
+def _partitioned(fn, args, in_batched, merges, out_axes) -> tuple:
     leaves, in_tree = jax.tree_util.tree_flatten(args)
-    flags = in_tree.flatten_up_to(in_batched)
+    in_axes = [_batch_axis(b) for b in in_tree.flatten_up_to(in_batched)]
     out_struct = jax.eval_shape(fn, *args)
     n_keep = len(out_struct) - len(merges)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_struct)
-    out_flags = [True] * len(jax.tree_util.tree_leaves(out_struct[:n_keep]))
-    out_flags += [False] * (len(out_leaves) - len(out_flags))
+    out_axes = _out_leaf_axes(out_axes, tuple(out_struct[:n_keep]))
+    out_axes += [None] * (len(out_leaves) - len(out_axes))
 
     def flat(across):
         def run(*ls):
@@ -243,9 +266,9 @@ def _partitioned(fn, args, in_batched, merges) -> tuple:
         return run
 
     def shardings(mesh, arg_shapes):
-        lead = _batch_spec(arg_shapes, flags)
-        placed = lambda fs: tuple(NamedSharding(mesh, P(lead) if f else P()) for f in fs)
-        return placed(flags), placed(out_flags), _sharding.axes_of(lead)
+        lead = _batch_spec(arg_shapes, in_axes)
+        placed = lambda axs: tuple(NamedSharding(mesh, _at_axis(a, lead)) for a in axs)
+        return placed(in_axes), placed(out_axes), _sharding.axes_of(lead)
 
     def infer(mesh, arg_shapes, result_shape):
         return shardings(mesh, arg_shapes)[1]
@@ -258,37 +281,37 @@ def _partitioned(fn, args, in_batched, merges) -> tuple:
     call.def_partition(
         partition=partition,
         infer_sharding_from_operands=infer,
-        sharding_rule=_rule(leaves, flags, out_leaves, out_flags),
+        sharding_rule=_rule(leaves, in_axes, out_leaves, out_axes),
     )
     return jax.tree_util.tree_unflatten(out_tree, list(call(*leaves)))
 
 
-def _batch_spec(arg_shapes: Any, flags: list[bool]) -> Any:
+def _batch_spec(arg_shapes: Any, in_axes: list[int | None]) -> Any:
     """The mesh axes (a name, a tuple of names, or None) that split the first batched operand's
-    leading axis."""
-    for shape, batched in zip(arg_shapes, flags, strict=True):
+    batch axis."""
+    for shape, axis in zip(arg_shapes, in_axes, strict=True):
         sharding = getattr(shape, "sharding", None)
         spec = getattr(sharding, "spec", ())
-        if batched and len(spec) and spec[0] is not None:
-            return spec[0]
+        if axis is not None and len(spec) > axis and spec[axis] is not None:
+            return spec[axis]
     return None
 
 
-def _rule(leaves, flags, out_leaves, out_flags) -> SdyShardingRule:
-    """Shardy's view of the call: the batched leaves share the factor ``b`` of their leading
+def _rule(leaves, in_axes, out_leaves, out_axes) -> SdyShardingRule:
+    """Shardy's view of the call: the batched leaves share the factor ``b`` of their batch
     axis; every other dimension is its own factor and must be replicated."""
     others: list[str] = []
 
-    def mapping(x, batched):
+    def mapping(x, axis):
         dims = []
         for d in range(jax.numpy.ndim(x)):
-            if d == 0 and batched:
+            if d == axis:
                 dims.append("b")
             else:
                 others.append(f"f{len(others)}")
                 dims.append(others[-1])
         return tuple(dims)
 
-    operands = tuple(mapping(x, f) for x, f in zip(leaves, flags, strict=True))
-    results = tuple(mapping(x, f) for x, f in zip(out_leaves, out_flags, strict=True))
+    operands = tuple(mapping(x, a) for x, a in zip(leaves, in_axes, strict=True))
+    results = tuple(mapping(x, a) for x, a in zip(out_leaves, out_axes, strict=True))
     return SdyShardingRule(operands, results, need_replication_factors=tuple(others))

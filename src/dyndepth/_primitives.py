@@ -67,6 +67,7 @@ from ._operands import (
 from ._residuals import residual_plan
 from ._second_order import AtPoint, TangentMask, TangentOperands, steps_flags
 from ._step import Loop
+from ._store import ROW_AXIS
 
 loop_p = Primitive("dyndepth_loop")
 lin_p = Primitive("dyndepth_loop_tangent")
@@ -227,8 +228,15 @@ def _eager(prim: Primitive, kernel):
 # ----------------------------------------------------------------------------- helpers
 
 
-def _move(x, d):
-    return x if d is None or d == 0 else jnp.moveaxis(x, d, 0)
+def _move(x, d, to=0):
+    return x if d is None or d == to else jnp.moveaxis(x, d, to)
+
+
+def _moved(args, dims, stored_at) -> list:
+    """The batched operands at their axis of the new level: the first, but the stored carries'
+    (at positions ``stored_at``) after their slots (:func:`dyndepth._dispatch.level_axes`)."""
+    to = _dispatch.level_axes([d is not None for d in dims], stored_at)
+    return [_move(x, d, t) for x, d, t in zip(args, dims, to, strict=True)]
 
 
 def _size(args, dims):
@@ -281,14 +289,15 @@ def _loop_batch(args, dims, *, loop, batch, store, plan, pert):
         return dataclasses.replace(outs, stats=merged).flat(), out_dims.flat()
     flags = tuple(d is not None for d in dims)
     level = Level(_size(args, dims), flags)
-    args = [_move(x, d) for x, d in zip(args, dims, strict=True)]
+    args = [_move(x, d) for x, d in zip(args, dims, strict=True)]  # (no stored carries)
     params["batch"] = batch + (level,)
     outs = loop_p.bind(*args, **params)
     nc, ny = len(loop.carry_avals), len(loop.y_avals)
     steps_b = steps_flags(loop, params["batch"])[-1]
-    # Everything gains the new axis but a shared step count, the statistics (summed over the
-    # rows) and the stored-residual buffers (unfilled under a batch).
-    stored = Stored([0] * nc, 0, [None] * n_stored(plan)) if store else None
+    # Everything gains the new axis (the stored carries after their slots) but a shared step
+    # count, the statistics (summed over the rows) and the stored-residual buffers (unfilled
+    # under a batch).
+    stored = Stored([ROW_AXIS] * nc, 0, [None] * n_stored(plan)) if store else None
     out_dims = LoopOutputs([0] * nc, [0] * ny, 0 if steps_b else None, None, stored)
     return outs, out_dims.flat()
 
@@ -431,7 +440,8 @@ def _lin_batch(args, dims, *, loop, batch, pert, plan, keep, use_ext):
     if keep and LinOperands.split(flags, loop, pert, plan, keep).res.stored.stride:
         use_ext = False  # the forward pass ran batched here: its residual buffers are empty
     level = Level(_size(args, dims), flags)
-    args = [_move(x, d) for x, d in zip(args, dims, strict=True)]
+    at = LinOperands.split(list(range(len(args))), loop, pert, plan, keep).res
+    args = _moved(args, dims, set() if at is None else set(at.stored.buf))
     outs = lin_p.bind(*args, loop=loop, batch=batch + (level,), pert=pert, plan=plan,
                       keep=keep, use_ext=use_ext)  # fmt: skip
     return outs, [0] * len(outs)
@@ -507,7 +517,8 @@ def _bwd_batch(args, dims, *, loop, batch, pert, plan, use_ext):
     if AtPoint.split(flags, loop, pert, plan).bwd.res.stored.stride:
         use_ext = False  # the forward pass ran batched here: its residual buffers are empty
     level = Level(_size(args, dims), flags, reduce=False)
-    args = [_move(x, d) for x, d in zip(args, dims, strict=True)]
+    at = AtPoint.split(list(range(len(args))), loop, pert, plan).bwd.res
+    args = _moved(args, dims, set(at.stored.buf))
     outs = bwd_p.bind(*args, loop=loop, batch=batch + (level,), pert=pert, plan=plan,
                       use_ext=use_ext)  # fmt: skip
     return outs, [0] * len(outs)
@@ -563,7 +574,8 @@ def _dbwd_batch(args, dims, *, loop, batch, pert, plan, mask):
         outs = _one_at_a_time(dbwd_p, args, dims, params)
         return outs, [0] * len(outs)
     level = Level(_size(args, dims), tuple(d is not None for d in dims), reduce=False)
-    args = [_move(x, d) for x, d in zip(args, dims, strict=True)]
+    at = TangentOperands.split(list(range(len(args))), loop, pert, plan, mask).point.bwd.res
+    args = _moved(args, dims, set(at.stored.buf))
     outs = dbwd_p.bind(*args, **dict(params, batch=batch + (level,)))
     return outs, [0] * len(outs)
 

@@ -289,8 +289,11 @@ def _over_level(fn: Callable, level: Level, loop, pert, plan, mask) -> Callable:
     f = TangentOperands.split(level.batched, loop, pert, plan, mask)
     summed = [level.reduce and not b for b in take(f.point.bwd.consts, pert.consts)]
 
+    stored = TangentOperands.split(list(range(len(level.batched))), loop, pert, plan, mask)
+    in_axes = _dispatch.level_axes(level.batched, stored.point.bwd.res.stored.buf)
+
     def mapped(*ops):
-        out = jax.vmap(fn, in_axes=_axes(level.batched), axis_size=level.size)(*ops)
+        out = jax.vmap(fn, in_axes=in_axes, axis_size=level.size)(*ops)
         return [o.sum(0) if j < len(summed) and summed[j] else o for j, o in enumerate(out)]
 
     return mapped

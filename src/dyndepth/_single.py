@@ -17,6 +17,7 @@ from ._leaves import at_index, expand, put_index, squeeze, take
 from ._operands import LoopOperands
 from ._residuals import ResidualPlan, pullback_of, step_vjp, stored_leaves
 from ._step import Loop, step_consts
+from ._store import ROW_AXIS
 
 
 def forward(loop: Loop, consts, cconsts, init, xs, n, kd, *, store: bool,
@@ -34,7 +35,7 @@ def forward(loop: Loop, consts, cconsts, init, xs, n, kd, *, store: bool,
             return squeeze(carry), squeeze(ys), steps[0], res, _batched.stats_of(iters, 1)
         back = _batched.backward_iterations(loop, steps, res[1])
         stats = _batched.stats_of(iters, 1, (back, back), loop.slots_stored)
-        res = (squeeze(res[0]), res[1][0], _no_ext(loop, plan))
+        res = (squeeze(res[0], ROW_AXIS), res[1][0], _no_ext(loop, plan))
         return squeeze(carry), squeeze(ys), steps[0], res, stats
     T = loop.max_steps
 
@@ -90,7 +91,7 @@ def backward(loop: Loop, pert: Perturbed, plan: ResidualPlan | None, consts, xs,
     if loop.thinning:
         acc, ct, ct_xs = _batched.backward(
             loop, pert, consts, [None] * len(consts), expand(xs),
-            None if kd is None else kd[None], (expand(buf), stride[None]), steps[None],
+            None if kd is None else kd[None], (expand(buf, ROW_AXIS), stride[None]), steps[None],
             expand(ct_carry), expand(ct_ys),
         )  # fmt: skip
         return acc, squeeze(ct), squeeze(ct_xs)

@@ -1,17 +1,22 @@
 """The carries a forward pass stores for its backward pass, one store for every batched kernel.
 
-Per sample ``b``, at most ``K`` carries (``K`` the loop's :attr:`dyndepth._step.Loop.slots_stored`):
-slot ``k`` holds the carry before step ``k x stride[b]``, ``stride[b]`` the smallest power of two
-with ``ceil(steps[b] / stride[b]) <= K`` (1 while the sample's steps fit: every carry). Where the
-steps are known before the loop (depths), the strides are set then; where they are not (a stop
-predicate), a sample whose ``K`` slots fill up keeps every other carry at twice the stride,
-which ends in the same layout. Slot 0 always holds the initial carry, so that a backward pass
-never evaluates the step at an unwritten slot.
+Per sample ``b``, at most ``K`` carries (``K`` the loop's
+:attr:`dyndepth._step.Loop.slots_stored`), in ``buf[k, b]``: the store is slot-major, ``(K, B,
+...)`` (:data:`ROW_AXIS`), so that a lockstep pass, whose rows all write or read one slot per
+iteration, moves one contiguous slice, and the scheduled kernels' per-row cells share that one
+layout (with a batch-major store, the TPU compiler kept a second, slot-major copy of it beside
+wrap-around slot counts: ``benchmarks/tpu_store_layout.py``). Slot ``k`` holds the carry before
+step ``k x stride[b]``, ``stride[b]`` the smallest power of two with ``ceil(steps[b] /
+stride[b]) <= K`` (1 while the sample's steps fit: every carry). Where the steps are known
+before the loop (depths), the strides are set then; where they are not (a stop predicate), a
+sample whose ``K`` slots fill up keeps every other carry at twice the stride, which ends in the
+same layout. Slot 0 always holds the initial carry, so that a backward pass never evaluates the
+step at an unwritten slot.
 
 A thinned store's backward pass recomputes one segment (``stride`` steps) at a time per sample
-into a buffer of :func:`recompute_rows` carries per sample (:func:`backward_unit`); a sample
-whose stride exceeds it (deeper than about ``K ** 2 / 2`` steps) sends its batch to the two-level
-lockstep sweep of :mod:`dyndepth._batched`.
+into a buffer of :func:`recompute_rows` carries per sample, slot-major like the store
+(:func:`backward_unit`); a sample whose stride exceeds it (deeper than about ``K ** 2 / 2``
+steps) sends its batch to the two-level lockstep sweep of :mod:`dyndepth._batched`.
 """
 
 from __future__ import annotations
@@ -22,9 +27,14 @@ import jax
 import jax.numpy as jnp
 
 from . import _sharding, _vma
-from ._leaves import DROP, IN_BOUNDS, index_in, put_index
+from ._leaves import DROP, IN_BOUNDS, index_in, put_index, update_in
 from ._schedule import at_slots
 from ._step import Loop
+
+# The stored carries' row axis, after their slot axis: ``(K, B, ...)``, under every level of
+# ``vmap`` too (``(K, *rows, ...)``, outermost level first). Each batching rule and map over the
+# rows puts the store's row axis here.
+ROW_AXIS = 1
 
 
 def strides_for(lengths: jax.Array, K: int) -> jax.Array:
@@ -80,7 +90,7 @@ def start(loop: Loop, init: list, strides: jax.Array | None) -> dict:
     """The store before the first step: ``init`` in slot 0; ``strides`` given (known steps) or
     growing as the slots fill (``None``)."""
     B = strides.shape[0] if strides is not None else init[0].shape[0]
-    buf = [_sharding.zeros((B, loop.slots_stored), a).at[:, 0].set(c)
+    buf = [update_in(_sharding.zeros((loop.slots_stored, B), a), c, 0, 0)
            for a, c in zip(loop.carry_avals, init, strict=True)]  # fmt: skip
     if strides is not None:
         return {"buf": buf, "stride": strides}
@@ -92,13 +102,13 @@ def put(loop: Loop, store: dict, b: Any, i: jax.Array, carry: list, live: jax.Ar
     """Store each live slot's ``carry``, the carry before its sample's step ``i``, where that
     step falls on the sample's stride."""
     if not loop.thinning:  # every carry is stored: slot i
-        return dict(store, buf=put_cells(store["buf"], b, i, carry, live))
+        return dict(store, buf=put_cells(store["buf"], b, i, carry, live, 0))
     if "count" in store:
         store = _make_room(loop, store, b, i, live)
     stride = at_slots([store["stride"]], b)[0]
     want = live & (i % stride == 0)
     k = (i // stride) if "count" not in store else at_slots([store["count"]], b)[0]
-    buf = put_cells(store["buf"], b, k, carry, want)
+    buf = put_cells(store["buf"], b, k, carry, want, 0)
     out = dict(store, buf=buf)
     if "count" in store:
         B = store["count"].shape[0]
@@ -107,31 +117,42 @@ def put(loop: Loop, store: dict, b: Any, i: jax.Array, carry: list, live: jax.Ar
 
 
 def read(store_buf: list, b: Any, k: jax.Array) -> list:
-    """``buf[b[s], k[s]]`` for every buffer (``b`` None: row ``s``)."""
-    return [_cells(x, b, k) for x in store_buf]
+    """``buf[k[s], b[s]]`` for every buffer of a store (``b`` None: row ``s``)."""
+    return cells(store_buf, b, k, 0)
 
 
 def _rows_of(b: Any, like: jax.Array) -> jax.Array:
     return jnp.arange(like.shape[0]) if b is None else b
 
 
-def _cells(x: jax.Array, b: Any, k: jax.Array) -> jax.Array:
-    if b is None and jnp.ndim(k) == 0:
-        return index_in(x, k, 1)
-    rows = jnp.arange(x.shape[0]) if b is None else b
-    k = jnp.broadcast_to(k, rows.shape)
-    return x.at[rows, jnp.clip(k, 0, x.shape[1] - 1)].get(**IN_BOUNDS)
+def cells(bufs: list, b: Any, k: jax.Array, axis: int) -> list:
+    """Each slot ``s``'s cell of every buffer: row ``b[s]`` (``b`` None: row ``s``), position
+    ``k[s]`` on ``axis``: 0 for a slot-major ``(K, B, ...)`` buffer (a store), 1 for a
+    batch-major ``(B, T, ...)`` one (per-sample xs and ys). One shared ``k`` with ``b`` None
+    reads a slice (no gather)."""
+    return [_cell(x, b, k, axis) for x in bufs]
 
 
-def put_cells(bufs: list, b: Any, k: jax.Array, values: list, want: jax.Array) -> list:
-    """``buf[b[s], k[s]] = value[s]`` where ``want``; one shared ``k`` with ``b`` None is a
-    column write (a dynamic update slice, not a scatter)."""
+def _cell(x: jax.Array, b: Any, k: jax.Array, axis: int) -> jax.Array:
     if b is None and jnp.ndim(k) == 0:
-        return put_index(bufs, k, values, want, axis=1)
+        return index_in(x, k, axis)
+    rows = jnp.arange(x.shape[1 - axis]) if b is None else b
+    k = jnp.clip(jnp.broadcast_to(k, rows.shape), 0, x.shape[axis] - 1)
+    return x.at[(k, rows) if axis == 0 else (rows, k)].get(**IN_BOUNDS)
+
+
+def put_cells(bufs: list, b: Any, k: jax.Array, values: list, want: jax.Array,
+              axis: int) -> list:  # fmt: skip
+    """``buf`` at row ``b[s]``, position ``k[s]`` on ``axis`` (see :func:`cells`) set to
+    ``value[s]`` where ``want``; one shared ``k`` with ``b`` None is a slice write (a dynamic
+    update slice, not a scatter)."""
+    if b is None and jnp.ndim(k) == 0:
+        return put_index(bufs, k, values, want, axis=axis)
     rows = _rows_of(b, want)
-    drop = jnp.where(want, rows, bufs[0].shape[0] if bufs else 0)
+    drop = jnp.where(want, rows, bufs[0].shape[1 - axis] if bufs else 0)
     k = jnp.broadcast_to(k, rows.shape)
-    return [x.at[drop, k].set(v, **DROP) for x, v in zip(bufs, values, strict=True)]
+    at = (k, drop) if axis == 0 else (drop, k)
+    return [x.at[at].set(v, **DROP) for x, v in zip(bufs, values, strict=True)]
 
 
 def _make_room(loop: Loop, store: dict, b: Any, i: jax.Array, live: jax.Array) -> dict:
@@ -147,9 +168,9 @@ def _make_room(loop: Loop, store: dict, b: Any, i: jax.Array, live: jax.Array) -
         drop = jnp.where(full, rows, s["count"].shape[0])
 
         def halve(x):
-            mine = x.at[rows].get(**IN_BOUNDS)
-            pad = jnp.zeros((mine.shape[0], K - kept) + mine.shape[2:], mine.dtype)
-            return x.at[drop].set(jnp.concatenate([mine[:, 0::2], pad], axis=1), **DROP)
+            mine = x.at[:, rows].get(**IN_BOUNDS)
+            pad = jnp.zeros((K - kept,) + mine.shape[1:], mine.dtype)
+            return x.at[:, drop].set(jnp.concatenate([mine[0::2], pad]), **DROP)
 
         return dict(
             buf=[halve(x) for x in s["buf"]],

@@ -304,13 +304,13 @@ def test_depth0_nan_jacobian_shared_param_repeat_batched(checkpoints, slots):
 def test_lockstep_backward_alignments(monkeypatch, at_end, hazard):
     """Both alignments of the lockstep backward pass (every carry stored): the sweeps ending
     together (slices; a sample whose sweep has not begun idles at the longest sample's inputs)
-    and starting together (per-row reads, what a TPU runs beside wrap-around slot counts).
+    and starting together (per-row reads, the alignment of a thinned store's units).
     Steps whose Jacobian is NaN past a sample's depth or at a never-stepped carry: the
     shared-parameter gradient is finite and equals the plain loop's, with per-sample xs and
     keys too."""
     from dyndepth import _dispatch  # noqa: PLC0415 (the decision under test)
 
-    monkeypatch.setattr(_dispatch, "_lockstep_at_end", lambda loop, plan: at_end)
+    monkeypatch.setattr(_dispatch, "_lockstep_at_end", lambda loop: at_end)
     body, X, D, W, ref = {
         "log": (log_body, X_LOG12, D_LOG12, W_LOG, ref_log_loss),
         "sqrt": (sqrt_body, X_SQRT, D_SQRT, W_SQRT, ref_sqrt_loss),

@@ -49,6 +49,59 @@ def test_backward_units_match_plain_python(n, K):
             written.add((j, p + 1))
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    steps=st.integers(1, 7),
+    slots=st.integers(1, 6),
+    axis=st.sampled_from([0, 1]),
+    seed=st.integers(0, 2**16),
+    shared=st.booleans(),
+)
+def test_cells_read_and_write_each_layout_as_plain_python(rows, steps, slots, axis, seed, shared):
+    """``_store.cells`` / ``put_cells`` on a slot-major ``(K, B, ...)`` buffer (axis 0, the
+    store) and a batch-major ``(B, T, ...)`` one (axis 1, xs and ys): each slot's cell at its
+    row and position, written only where wanted, against indexing in plain Python. A shared
+    position with ``b`` None (lockstep) is a slice; otherwise rows and positions per slot (no
+    two wanted slots share a row, as the schedules guarantee)."""
+    rng = np.random.default_rng(seed)
+    shape = (steps, rows, 2) if axis == 0 else (rows, steps, 2)
+    buf = rng.normal(size=shape).astype(np.float32)
+    if shared:
+        b, n = None, rows
+        k = int(rng.integers(0, steps))
+        ks, bs = [k] * n, list(range(rows))
+    else:
+        n = slots
+        bs = rng.permutation(max(rows, n))[:n] % rows
+        ks = rng.integers(0, steps, n)
+        b, k = jnp.asarray(bs, jnp.int32), jnp.asarray(ks, jnp.int32)
+    want = rng.random(n) < 0.6
+    if not shared:  # (a row written by two slots: keep the first)
+        seen = set()
+        for s in range(n):
+            want[s] &= int(bs[s]) not in seen
+            if want[s]:
+                seen.add(int(bs[s]))
+    vals = rng.normal(size=(n, 2)).astype(np.float32)
+
+    def at(x, s):
+        return x[ks[s], bs[s]] if axis == 0 else x[bs[s], ks[s]]
+
+    got = np.asarray(_store.cells([jnp.asarray(buf)], b, k, axis)[0])
+    np.testing.assert_array_equal(got, np.stack([at(buf, s) for s in range(n)]))
+    out = np.asarray(_store.put_cells([jnp.asarray(buf)], b, k, [jnp.asarray(vals)],
+                                      jnp.asarray(want), axis)[0])  # fmt: skip
+    expected = buf.copy()
+    for s in range(n):
+        if want[s]:
+            if axis == 0:
+                expected[ks[s], bs[s]] = vals[s]
+            else:
+                expected[bs[s], ks[s]] = vals[s]
+    np.testing.assert_array_equal(out, expected)
+
+
 @pytest.mark.parametrize(
     ("checkpoints", "slots", "seed"),
     [(None, None, 0), (16, None, 1), (16, 3, 2), (4, None, 3), (6, 8, 4), (None, 2, 5)],

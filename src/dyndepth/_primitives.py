@@ -574,8 +574,7 @@ def _dbwd_batch(args, dims, *, loop, batch, pert, plan, mask):
         outs = _one_at_a_time(dbwd_p, args, dims, params)
         return outs, [0] * len(outs)
     level = Level(_size(args, dims), tuple(d is not None for d in dims), reduce=False)
-    at = TangentOperands.split(list(range(len(args))), loop, pert, plan, mask).point.bwd.res
-    args = _moved(args, dims, set(at.stored.buf))
+    args = _moved(args, dims, set(_second_order.stored_at(len(args), loop, pert, plan, mask)))
     outs = dbwd_p.bind(*args, **dict(params, batch=batch + (level,)))
     return outs, [0] * len(outs)
 

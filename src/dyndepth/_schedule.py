@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._leaves import DROP, IN_BOUNDS
+from ._leaves import DROP, IN_BOUNDS, where_rows
 from ._slots import iterations
 
 
@@ -47,13 +47,9 @@ def at_slots(leaves: list, b: Any) -> list:
 def put_slots(leaves: list, b: Any, values: list, live: jax.Array) -> list:
     """``leaf[b[s]] = value[s]`` for the live slots (no two live slots share a sample)."""
     if b is None:
-        return [jnp.where(_rows(live, v), v, x) for x, v in zip(leaves, values, strict=True)]
+        return where_rows(live, values, leaves)
     drop = jnp.where(live, b, leaves[0].shape[0] if leaves else 0)
     return [x.at[drop].set(v, **DROP) for x, v in zip(leaves, values, strict=True)]
-
-
-def _rows(mask: jax.Array, x: jax.Array) -> jax.Array:
-    return mask.reshape(mask.shape + (1,) * (jnp.ndim(x) - 1))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -289,14 +289,19 @@ def _over_level(fn: Callable, level: Level, loop, pert, plan, mask) -> Callable:
     f = TangentOperands.split(level.batched, loop, pert, plan, mask)
     summed = [level.reduce and not b for b in take(f.point.bwd.consts, pert.consts)]
 
-    stored = TangentOperands.split(list(range(len(level.batched))), loop, pert, plan, mask)
-    in_axes = _dispatch.level_axes(level.batched, stored.point.bwd.res.stored.buf)
+    at = stored_at(len(level.batched), loop, pert, plan, mask)
+    in_axes = _dispatch.level_axes(level.batched, at)
 
     def mapped(*ops):
         out = jax.vmap(fn, in_axes=in_axes, axis_size=level.size)(*ops)
         return [o.sum(0) if j < len(summed) and summed[j] else o for j, o in enumerate(out)]
 
     return mapped
+
+
+def stored_at(n: int, loop, pert, plan, mask) -> list[int]:
+    """The positions of the stored carries among ``dbwd_p``'s ``n`` flat operands."""
+    return TangentOperands.split(list(range(n)), loop, pert, plan, mask).point.bwd.res.stored.buf
 
 
 def _masked_values(x: LoopOperands, mask: TangentMask) -> tuple[list, list, list]:

@@ -265,9 +265,10 @@ def default_counts(batch, width, step):
         p = {n: jnp.zeros((width, m * width)) for n, m in (("q", 1), ("k", 1), ("v", 1), ("o", 1))}
         p |= dict(up=jnp.zeros((width, 4 * width)), down=jnp.zeros((4 * width, width)))
         fn, x = (lambda x: block(p, x)), jnp.zeros((SEQ, width))
-    flops = dd_cost.jaxpr_flops(jax.make_jaxpr(fn)(x).jaxpr)
+    jaxpr = jax.make_jaxpr(fn)(x).jaxpr
     weights = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(p))
-    return SlotRule.of(None, batch, dd_cost.backend_cost().fixed_rows(flops, weights)).candidates
+    fixed = dd_cost.backend_cost().fixed_rows(dd_cost.jaxpr_flops(jaxpr), weights)
+    return SlotRule.of(None, batch, fixed, dd_cost.jaxpr_equations(jaxpr)).candidates
 
 
 def compile_table(rows):

@@ -210,9 +210,7 @@ def jaxpr_flops(jaxpr: Any) -> float:
     conditional."""
     total = 0.0
     for eqn in jaxpr.eqns:
-        subs = [_core_jaxpr(v) for v in eqn.params.values()]
-        subs += [_core_jaxpr(b) for v in eqn.params.values() if isinstance(v, tuple) for b in v]
-        subs = [s for s in subs if s is not None]
+        subs = _nested(eqn)
         if subs:
             counts = [jaxpr_flops(s) for s in subs]
             total += max(counts) if eqn.primitive.name == "cond" else sum(counts)
@@ -221,6 +219,19 @@ def jaxpr_flops(jaxpr: Any) -> float:
         else:
             total += sum(_size(v.aval) for v in eqn.outvars)
     return total
+
+
+def jaxpr_equations(jaxpr: Any) -> int:
+    """Equations of ``jaxpr`` (a core ``Jaxpr``), each nested jaxpr's counted (every branch of
+    a conditional): how much there is to compile in a copy of it."""
+    return sum(1 + sum(jaxpr_equations(s) for s in _nested(eqn)) for eqn in jaxpr.eqns)
+
+
+def _nested(eqn: Any) -> list:
+    """The core jaxprs in an equation's parameters (a call's, each branch of a conditional)."""
+    subs = [_core_jaxpr(v) for v in eqn.params.values()]
+    subs += [_core_jaxpr(b) for v in eqn.params.values() if isinstance(v, tuple) for b in v]
+    return [s for s in subs if s is not None]
 
 
 def _core_jaxpr(value: Any) -> Any:

@@ -229,7 +229,9 @@ def repeat(
     - ``slots``: under ``vmap`` with per-sample depths, ``"auto"`` runs the batch through the
       per-sample scheduler (see :func:`repeat_batched`). ``None`` chooses at run time, by a
       model of time, among ``B, B/2, B/4, B/8``, then down by a ratio of 4 (one compiled
-      branch each): the count of least ``C x (fixed + S x row)``, ``C`` the wrap-around
+      branch each; a large step compiles fewer: at most 512 of its equations over the
+      counts, two counts at the least, e.g. ``B, B/4, B/16`` for 129-170 equations and ``B,
+      B/4`` from 171): the count of least ``C x (fixed + S x row)``, ``C`` the wrap-around
       schedule's iterations in ``S`` slots, ``fixed`` what an iteration costs on the backend
       whatever its rows and ``row`` what the step costs on one sample (read from the step's
       operations; see :func:`set_iteration_cost`). Counts below ``fixed / 8`` rows are left

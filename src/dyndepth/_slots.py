@@ -29,26 +29,38 @@ from ._step import Loop
 # ``fixed_rows / 8`` (an iteration's fixed cost in rows: a count that runs the same iterations
 # with up to that many more rows costs within 1 / 8 of it).
 MAX_COUNTS = 5
-LADDER_RATIO = 8
+# A large step makes every copy slow to compile, and costs its rows more than its iterations
+# (the choice among neighbouring counts then moves little). Its ladder holds at most
+# LADDER_EQUATIONS equations of the step over its counts, two counts at the least, spaced further
+# apart the fewer they are (RATIOS: the divisor from each count to the next).
+LADDER_EQUATIONS = 512
+RATIOS = {5: (2, 2, 2, 4), 4: (2, 4, 4), 3: (4, 4), 2: (4,)}
+# The work rule's ladder: ``B``, ``B / 2``, then down by this factor.
+WORK_LADDER_RATIO = 8
 # The work rule takes a slot count when it executes at most this fraction more than the useful
 # steps.
 WORK_SLACK = 1 / 16
 
 
-def slot_candidates(batch: int, fixed_rows: float) -> tuple[int, ...]:
+def slot_candidates(batch: int, fixed_rows: float, step_equations: int = 0) -> tuple[int, ...]:
     """The slot counts that ``slots=None`` chooses from at run time (by :func:`choose_by_time`,
-    one compiled branch each), descending, as the comment above says; batches of 2 or fewer
-    run unscheduled."""
+    one compiled branch each), descending, as the comments above say (``step_equations``: the
+    step's, :func:`dyndepth._cost.jaxpr_equations`); batches of 2 or fewer run unscheduled."""
     if batch <= 2:
         return (batch,)
     smallest = max(1, math.floor(fixed_rows / 8))
     counts, c = [batch], batch
-    while c > 1 and len(counts) < MAX_COUNTS:
-        c = math.ceil(c / (2 if len(counts) < 4 else 4))
-        if c < smallest:
+    for ratio in RATIOS[ladder_length(step_equations)]:
+        c = math.ceil(c / ratio)
+        if c < smallest or c == counts[-1]:
             break
         counts.append(c)
     return tuple(counts)
+
+
+def ladder_length(step_equations: int) -> int:
+    """The counts of the time rule's ladder for a step of ``step_equations`` equations."""
+    return max(2, min(MAX_COUNTS, LADDER_EQUATIONS // max(step_equations, 1)))
 
 
 def work_candidates(batch: int) -> tuple[int, ...]:
@@ -60,7 +72,7 @@ def work_candidates(batch: int) -> tuple[int, ...]:
     out, c = [batch], math.ceil(batch / 2)
     while c > 1:
         out.append(c)
-        c = math.ceil(c / LADDER_RATIO)
+        c = math.ceil(c / WORK_LADDER_RATIO)
     return tuple(out) + (1,)
 
 
@@ -74,14 +86,16 @@ class SlotRule:
     fixed_rows: float | None
 
     @staticmethod
-    def of(slots: int | tuple[int, ...] | str | None, batch: int, fixed_rows: float) -> SlotRule:
-        """The rule of a loop's ``slots`` argument: the time rule on the default ladder, one
-        count, or the given counts (those of ``batch`` or more all mean the lockstep batch);
-        ``"work"``: the work rule on its ladder."""
+    def of(slots: int | tuple[int, ...] | str | None, batch: int, fixed_rows: float,
+           step_equations: int = 0) -> SlotRule:  # fmt: skip
+        """The rule of a loop's ``slots`` argument: the time rule on the default ladder (of a
+        step of ``step_equations`` equations), one count, or the given counts (those of
+        ``batch`` or more all mean the lockstep batch); ``"work"``: the work rule on its
+        ladder."""
         if slots == "work":
             return SlotRule(work_candidates(batch), None)
         if slots is None:
-            return SlotRule(slot_candidates(batch, fixed_rows), fixed_rows)
+            return SlotRule(slot_candidates(batch, fixed_rows, step_equations), fixed_rows)
         counts = (slots,) if isinstance(slots, int) else slots
         return SlotRule(tuple(sorted({min(c, batch) for c in counts}, reverse=True)), fixed_rows)
 
@@ -89,8 +103,9 @@ class SlotRule:
     def for_loop(loop: Loop, batch: int, consts, c_axes) -> SlotRule:
         """The rule of ``loop`` over ``batch`` rows, its step's fixed cost in rows read from the
         default backend's costs (``consts`` with axis ``None`` in ``c_axes``: the weights every
-        iteration reads once)."""
-        return SlotRule.of(loop.slots, batch, fixed_rows(loop, consts, c_axes))
+        iteration reads once), its ladder from the step's size."""
+        size = _cost.jaxpr_equations(loop.step_jaxpr.jaxpr)
+        return SlotRule.of(loop.slots, batch, fixed_rows(loop, consts, c_axes), size)
 
     def choose(self, lengths: jax.Array) -> jax.Array:
         if self.fixed_rows is None:

@@ -327,6 +327,75 @@ def test_each_slot_count_is_one_compiled_branch(slots, want):
     assert branches == ([len(want)] * 2 if len(want) > 1 else []), branches
 
 
+def _chain(ops: int):
+    """A step of ``ops`` elementwise operations (one equation each)."""
+
+    def step(x):
+        for _ in range(ops):
+            x = jnp.sin(x)
+        return x
+
+    return step
+
+
+@pytest.mark.parametrize("ops, counts", [(60, 5), (150, 3), (300, 2)])
+def test_a_larger_step_compiles_a_shorter_ladder(ops, counts):
+    """The time rule's ladder holds at most ``LADDER_EQUATIONS`` equations of the step over its
+    counts (two at the least): the compiled value_and_grad has that many branches forward and
+    backward, counts spread over about the same span from ``B`` down."""
+    assert ops == dd_cost.jaxpr_equations(jax.make_jaxpr(_chain(ops))(jnp.zeros(D)).jaxpr)
+
+    def loss(xs, ds):
+        return jnp.sum(dyndepth.repeat_batched(_chain(ops), xs, ds, max_depth=5) ** 2)
+
+    args = (jnp.ones((256, D)), jnp.ones((256,), jnp.int32))
+    hlo = jax.jit(jax.value_and_grad(loss)).lower(*args).compile().as_text()
+    branches = [len(m.split(",")) for m in re.findall(r"branch_computations=\{([^}]*)\}", hlo)]
+    assert branches == [counts] * 2, branches
+
+
+def test_ladders_by_step_size():
+    """Every size of step: at most ``LADDER_EQUATIONS`` equations over the ladder unless it is
+    the shortest (2 counts), no longer for a larger step, descending from ``B`` by powers of two,
+    reaching down to ``B / 4`` at least (the best count of uniform depths, ``B / 2``, one step
+    from a count in every ladder)."""
+    longest = None
+    for eqns in range(0, 700):
+        n = _slots.ladder_length(eqns)
+        assert 2 <= n <= _slots.MAX_COUNTS
+        assert n == 2 or n * max(eqns, 1) <= _slots.LADDER_EQUATIONS, eqns
+        assert longest is None or n <= longest
+        longest = n
+        for B in (3, 64, 1000, 4096):
+            cands = _slots.slot_candidates(B, 0.0, eqns)
+            assert cands[0] == B and list(cands) == sorted(set(cands), reverse=True)
+            assert len(cands) <= n and cands[-1] <= -(-B // 4)
+            assert all(-(-a // 4) <= b < a for a, b in zip(cands[:-1], cands[1:], strict=True)), (
+                cands
+            )
+    assert _slots.slot_candidates(256, 0.0) == _slots.slot_candidates(256, 0.0, 4)
+
+
+def test_jaxpr_equations_counts_nested_jaxprs():
+    """A conditional's branches each count; a loop's body counts once."""
+
+    def f(x):
+        y = jax.lax.cond(x.sum() > 0, lambda v: jnp.sin(jnp.cos(v)), lambda v: v * 2.0, x)
+        return jax.lax.fori_loop(0, 3, lambda i, v: jnp.tanh(v), y)
+
+    jaxpr = jax.make_jaxpr(f)(jnp.zeros(3)).jaxpr
+    flat = [e.primitive.name for e in jaxpr.eqns]
+    # (the branches: sin and cos; a product)
+    assert dd_cost.jaxpr_equations(jaxpr) == len(flat) + 2 + 1 + _loop_body_size(jaxpr)
+
+
+def _loop_body_size(jaxpr) -> int:
+    (loop,) = [e for e in jaxpr.eqns if e.primitive.name in ("while", "scan")]
+    body = loop.params.get("body_jaxpr") or loop.params["jaxpr"]
+    cond = loop.params.get("cond_jaxpr")
+    return sum(len(j.jaxpr.eqns) for j in (body, cond) if j is not None)
+
+
 def _random_lengths(rng, trial, B):
     hi = int(rng.integers(1, 200))
     lengths = rng.integers(0, hi + 1, B)

@@ -90,7 +90,8 @@ def recurrent_depth(
     - ``checkpoints``: passed to the differentiated phase.
     - ``slots``: the per-sample scheduler's slot counts, for both phases (with
       ``strategy="auto"`` only; see :func:`dyndepth.repeat`): ``None`` chooses at run time
-      among up to five counts, each a compiled copy of ``core`` forward and backward; one
+      among up to five counts (fewer for a large ``core``: at most 512 of its equations over
+      the counts), each a compiled copy of ``core`` forward and backward; one
       count (``slots=S``) compiles one copy, a tuple those counts.
     - ``with_index``: call ``core(j, state, x)`` (``core(j, state, x, key)`` with ``key``), ``j``
       the iteration's index over all ``n + k`` iterations (an int32 scalar, each sample's own

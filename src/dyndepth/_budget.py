@@ -2,9 +2,11 @@
 
 With ``checkpoints=None`` the forward pass stores the carry before every step, ``max_steps``
 carries per sample, as long as the whole loop's buffer (every sample of the batch, every level
-of ``vmap``) fits the budget (:func:`stored_carry_budget`, 512 MiB unless set); above it, as many
+of ``vmap``) fits the budget (:func:`stored_carry_budget`); above it, as many
 carries per sample as the budget holds, the backward pass recomputing the others (one more
-forward step per step it does not store). The batch is only known when a batched loop runs (a
+forward step per step it does not store). Unless set, the budget is a quarter of one device's
+memory where the backend reports it (TPUs, GPUs: the store itself then takes at most an eighth),
+512 MiB where it does not (the CPU). The batch is only known when a batched loop runs (a
 batching rule added it), so the budget is applied there: :func:`fitted` gives the loop a kernel
 runs, and :func:`matching` the loop whose backward pass reads a buffer the forward pass stored.
 
@@ -18,20 +20,26 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import jax
 import numpy as np
 
 from . import _cost
 from ._step import Loop
 
 # Bytes one loop's stored carries may take with ``checkpoints=None``, its batch included, counting
-# the two copies the compiled backward pass may hold (it writes recomputed carries into its own).
+# the two copies the compiled backward pass may hold (it writes recomputed carries into its own):
+# a fraction of one device's memory where the backend reports it, else DEFAULT_BUDGET. On one TPU
+# v5e (15.7 GiB), benchmarks/tpu_budget.py's long tail ran value_and_grad in 121.8 ms at 512 MiB
+# and 77.6 ms at 4 GiB (2.1 GiB of temporary memory, less than jax.checkpoint + lax.scan's).
 DEFAULT_BUDGET = 512 * 2**20
-_budget = [DEFAULT_BUDGET]
+DEVICE_FRACTION = 1 / 4
+_budget: list[int | None] = [None]  # None: the default
 
 # How fast a backend writes memory a program touches for the first time: on the project's CPU
 # machine about 1.3 GB/s (benchmarks/max_depth.py: 26 MiB of stored carries fill in 20 ms);
@@ -46,12 +54,35 @@ RECOMPUTE_ROWS = 3
 def stored_carry_budget() -> int:
     """The bytes a loop traced now may store for its backward pass (see
     :func:`set_stored_carry_budget`)."""
-    return _budget[0]
+    return default_budget() if _budget[0] is None else _budget[0]
+
+
+def default_budget() -> int:
+    """The budget of a loop traced now unless one is set: :data:`DEVICE_FRACTION` of the memory
+    of a device of the platform it is lowered for, where that platform is this process's
+    default backend and its devices report their memory; :data:`DEFAULT_BUDGET` otherwise (a
+    CPU, or a program lowered for another platform than the one it is traced on)."""
+    family = {"cuda": "gpu", "rocm": "gpu"}
+    platform = _cost.current_platform()
+    if family.get(platform, platform) != family.get(jax.default_backend(), jax.default_backend()):
+        return DEFAULT_BUDGET
+    memory = device_memory()
+    return DEFAULT_BUDGET if memory is None else max(DEFAULT_BUDGET, int(memory * DEVICE_FRACTION))
+
+
+@functools.cache
+def device_memory() -> int | None:
+    """Bytes one device of the default backend may allocate (``memory_stats()``'s
+    ``bytes_limit``: on a GPU, what JAX's allocator was given), or None where it does not say."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return int(limit) if limit else None
 
 
 def set_stored_carry_budget(nbytes: int | None) -> None:
     """Set how many bytes of carries a reverse-mode loop may store for its backward pass, its
-    whole batch included (two copies counted); ``None`` restores the default, 512 MiB.
+    whole batch included (two copies counted); ``None`` restores the default: a quarter of one
+    device's memory on a backend that reports it (TPUs, GPUs), 512 MiB elsewhere (the CPU).
 
     Below ``2 x batch x max_depth x carry`` bytes, a loop with ``checkpoints=None`` stores as
     many carries per sample as the budget holds and recomputes the others in its backward pass
@@ -62,7 +93,7 @@ def set_stored_carry_budget(nbytes: int | None) -> None:
     Raises ``TypeError`` for an ``nbytes`` that is not an int (or None) and ``ValueError`` for
     one below 1."""
     if nbytes is None:
-        _budget[0] = DEFAULT_BUDGET
+        _budget[0] = None
         return
     if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
         raise TypeError(f"`nbytes` must be an int number of bytes or None, got {nbytes!r}")

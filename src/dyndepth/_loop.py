@@ -218,7 +218,8 @@ def repeat(
       more forward pass). Step evaluations: at most ``3 * depth`` (``4 * depth`` in two
       levels). ``None`` stores every carry while two copies of the whole loop's
       (``max_depth`` carries for every sample of the batch, every level of ``vmap``) fit the
-      stored-carry budget (512 MiB unless set with :func:`set_stored_carry_budget`); above
+      stored-carry budget (unless set with :func:`set_stored_carry_budget`, a quarter of one
+      device's memory where the backend reports it, a TPU's or a GPU's, else 512 MiB); above
       it, as many carries per sample as fit. Where writing a carry to fresh memory costs more
       than recomputing the step (on the CPU, a step of few operations per byte of its carry),
       at most 64 per sample whatever the budget, so that a generous ``max_depth`` costs

@@ -370,6 +370,45 @@ def test_checkpoints_use_the_budget(width, matmuls, rows, max_depth, platform):
     assert cheap == (platform == "cpu" and matmuls == 1 and width == 16)
 
 
+def test_the_budget_defaults_to_a_quarter_of_a_device_and_can_be_set(monkeypatch):
+    """Unless set, a loop's budget is a quarter of one device's memory where the backend reports
+    it (never below 512 MiB), 512 MiB where it does not (this CPU) or for a program lowered for
+    another platform; ``set_stored_carry_budget`` and ``stored_carry_budget_scope`` set what
+    loops traced after read (None: the default again); bad values raise, naming the argument."""
+    from dyndepth import _budget
+    from dyndepth import _cost as dd_cost
+
+    if jax.default_backend() == "cpu":
+        assert _budget.device_memory() is None
+    assert _budget.stored_carry_budget() == _budget.DEFAULT_BUDGET
+    for memory, want in ((64 * 2**30, 16 * 2**30), (2**30, _budget.DEFAULT_BUDGET),
+                         (None, _budget.DEFAULT_BUDGET)):  # fmt: skip
+        monkeypatch.setattr(_budget, "device_memory", lambda memory=memory: memory)
+        assert _budget.stored_carry_budget() == want, memory
+    monkeypatch.setattr(_budget, "device_memory", lambda: 64 * 2**30)
+    other = "tpu" if jax.default_backend() != "tpu" else "cpu"
+    with dd_cost.lowering_for(other):
+        assert _budget.stored_carry_budget() == _budget.DEFAULT_BUDGET
+    # A loop traced now stores every carry of 64 rows x 10**6 steps x 64 bytes (8 GiB, two
+    # copies): within the device's 16 GiB, where 512 MiB bounds it (on a GPU: the CPU would store
+    # at most SMALL_STORE of so small a step's carries).
+    loop = _traced_loop(16, 2, 10**6)
+    assert loop.budget == 16 * 2**30 and _budget.checkpoints_for(loop, 64, "gpu") is None
+    try:
+        dd.set_stored_carry_budget(2**20)
+        assert _budget.stored_carry_budget() == 2**20
+        with dd.stored_carry_budget_scope(3):
+            assert _budget.stored_carry_budget() == 3
+            assert _budget.checkpoints_for(_traced_loop(16, 2, 10**6), 64, "gpu") is not None
+        assert _budget.stored_carry_budget() == 2**20
+    finally:
+        dd.set_stored_carry_budget(None)
+    assert _budget.stored_carry_budget() == 16 * 2**30
+    for bad, error in ((1.5, TypeError), ("1", TypeError), (True, TypeError), (0, ValueError)):
+        with pytest.raises(error, match="`nbytes`"):
+            dd.set_stored_carry_budget(bad)
+
+
 @pytest.mark.parametrize(
     "checkpoints, max_depth", [(2, 200), pytest.param(3, 700, marks=pytest.mark.slow)]
 )

@@ -89,14 +89,21 @@ def compiled(loss, args, budget):
     return out, time.perf_counter() - t0
 
 
-def workload(name, spec, repeats):
+def workload_args(spec):
+    """The operands ``(params, xs, depths)`` of a workload ``(batch, width, max_depth,
+    distribution)``."""
     batch, width, max_depth, dist = spec
     k = jax.random.split(jax.random.PRNGKey(0), 4)
     p = {"W1": jax.random.normal(k[0], (width, width)) / width**0.5,
          "W2": jax.random.normal(k[1], (width, width)) / width**0.5}  # fmt: skip
     xs = jax.random.normal(k[2], (batch, width))
-    ds = depths_of(dist, k[3], batch, max_depth)
-    args = (p, xs, ds)
+    return p, xs, depths_of(dist, k[3], batch, max_depth)
+
+
+def workload(name, spec, repeats):
+    batch, width, max_depth, dist = spec
+    args = workload_args(spec)
+    ds = args[2]
     named = contenders(batch, max_depth, int(ds.max()))
     built = {n: compiled(loss, args, budget) for n, (loss, budget) in named.items()}
     ms = interleaved_ms({n: (c, args) for n, (c, _) in built.items()}, repeats)

@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 
 import jax
-from scheduler import depths_of, interleaved_ms
-from tpu import WORKLOADS, checkpointed_scan, compiled, scheduled
+from scheduler import interleaved_ms
+from tpu import WORKLOADS, checkpointed_scan, compiled, scheduled, workload_args
 
 MIB = 2**20
 BUDGETS_MIB = (512, 1024, 2048, 4096, 8192)
@@ -32,16 +32,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run on a CPU)")
     a = ap.parse_args()
-    batch, width, max_depth, dist = (64, 16, 32, "long-tail") if a.quick else WORKLOADS["long-tail"]
+    spec = (64, 16, 32, "long-tail") if a.quick else WORKLOADS["long-tail"]
+    batch, width, max_depth, dist = spec
     # (quick: budgets scaled to its carries, 64 x 32 x 16 floats: 128 KiB to store them all)
     budgets = [b * (MIB // 2**12 if a.quick else MIB) for b in BUDGETS_MIB]
     dev = jax.devices()[0]
-    k = jax.random.split(jax.random.PRNGKey(0), 4)
-    p = {"W1": jax.random.normal(k[0], (width, width)) / width**0.5,
-         "W2": jax.random.normal(k[1], (width, width)) / width**0.5}  # fmt: skip
-    xs = jax.random.normal(k[2], (batch, width))
-    ds = depths_of(dist, k[3], batch, max_depth)
-    args = (p, xs, ds)
+    args = workload_args(spec)
+    ds = args[2]
     built = {f"budget {b / MIB:g} MiB": compiled(scheduled(max_depth), args, b) for b in budgets}
     built["jax.checkpoint + lax.scan"] = compiled(checkpointed_scan(int(ds.max())), args, None)
     ms = interleaved_ms({n: (c, args) for n, (c, _) in built.items()}, a.repeats)

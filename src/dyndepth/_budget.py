@@ -74,7 +74,10 @@ def default_budget() -> int:
 def device_memory() -> int | None:
     """Bytes one device of the default backend may allocate (``memory_stats()``'s
     ``bytes_limit``: on a GPU, what JAX's allocator was given), or None where it does not say."""
-    stats = jax.local_devices()[0].memory_stats() or {}
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except (RuntimeError, NotImplementedError):  # (a backend that cannot tell)
+        return None
     limit = stats.get("bytes_limit")
     return int(limit) if limit else None
 

@@ -62,12 +62,16 @@ def default_budget() -> int:
     of a device of the platform it is lowered for, where that platform is this process's
     default backend and its devices report their memory; :data:`DEFAULT_BUDGET` otherwise (a
     CPU, or a program lowered for another platform than the one it is traced on)."""
-    family = {"cuda": "gpu", "rocm": "gpu"}
-    platform = _cost.current_platform()
-    if family.get(platform, platform) != family.get(jax.default_backend(), jax.default_backend()):
+    if _family(_cost.current_platform()) != _family(jax.default_backend()):
         return DEFAULT_BUDGET
     memory = device_memory()
     return DEFAULT_BUDGET if memory is None else max(DEFAULT_BUDGET, int(memory * DEVICE_FRACTION))
+
+
+def _family(platform: str) -> str:
+    """``"gpu"`` for the GPU platforms' names (a lowering platform says ``"cuda"``), else the
+    name."""
+    return "gpu" if platform in ("cuda", "rocm") else platform
 
 
 @functools.cache

@@ -412,8 +412,7 @@ class _BackwardPlan:
     None) or, under ``"auto"`` with per-sample steps, on the wrap-around schedule in a slot
     count the ``rule`` chooses at run time. With thinning, ``fits`` says whether every sample's
     segments fit :func:`dyndepth._store.recompute_rows`; else the batch takes the two-level
-    lockstep sweep of :mod:`dyndepth._batched`. ``fits`` is None without thinning and where
-    every segment fits whatever the steps (no two-level sweep is compiled then)."""
+    lockstep sweep of :mod:`dyndepth._batched`."""
 
     units: jax.Array
     rule: _slots.SlotRule | None
@@ -426,8 +425,8 @@ class _BackwardPlan:
         units = _store.units(steps, stride) if loop.thinning else steps
         rule = (_slots.SlotRule.for_loop(loop, rows, consts, c_axes)
                 if per_sample and _schedulable(loop, rows) else None)  # fmt: skip
-        fits = _store.segments_fit(stride, loop) if loop.thinning else None
-        return _BackwardPlan(units, rule, None if fits is True else fits)
+        fits = jnp.all(stride <= _store.recompute_rows(loop) + 1) if loop.thinning else None
+        return _BackwardPlan(units, rule, fits)
 
     def work(self, loop: Loop, steps, stride) -> tuple:
         """``(iterations, executed sample-steps)`` the backward pass will run (a thinned one

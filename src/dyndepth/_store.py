@@ -58,14 +58,6 @@ def recompute_rows(loop: Loop) -> int:
     return min(max_stride(loop) - 1, max(loop.slots_stored // 2, 1))
 
 
-def segments_fit(stride: Any, loop: Loop) -> Any:
-    """Whether segments of ``stride`` steps (per sample) fit :func:`recompute_rows`: a bool
-    array, or the Python ``True`` where every stride ``loop.max_steps`` steps can take fits
-    (``loop.max_steps`` up to about ``K ** 2 / 2``), known before the program runs."""
-    rows = recompute_rows(loop)
-    return True if max_stride(loop) <= rows + 1 else jnp.all(stride <= rows + 1)
-
-
 def units(steps: jax.Array, stride: jax.Array) -> jax.Array:
     """The backward pass's units of work per sample (:func:`backward_unit`): ``2 x steps -
     segments`` (every step undone, all but each segment's first step recomputed), ``segments =

@@ -409,41 +409,6 @@ def test_the_budget_defaults_to_a_quarter_of_a_device_and_can_be_set(monkeypatch
             dd.set_stored_carry_budget(bad)
 
 
-@pytest.mark.parametrize("checkpoints, max_depth, two_level", [(8, 32, False), (4, 64, True)])
-def test_a_two_level_sweep_is_compiled_only_where_a_segment_may_not_fit(
-    monkeypatch, checkpoints, max_depth, two_level
-):
-    """Past ``max_depth`` of about ``K ** 2 / 2`` a sample's segment may exceed the scheduled
-    backward pass's recompute buffer, and the batch then takes the two-level sweep; below it
-    none ever does, and none is compiled (8 checkpoints over 32 steps: strides up to 4, a
-    buffer of 3 carries). Values and gradients equal a plain loop's either way."""
-    from dyndepth import _batched
-
-    traced = []
-    real = _batched.backward
-    monkeypatch.setattr(_batched, "backward", lambda *a, **k: traced.append(1) or real(*a, **k))
-    W = jax.random.normal(jax.random.PRNGKey(0), (3, 3)) * 0.4
-    xs = jax.random.normal(jax.random.PRNGKey(1), (5, 3))
-    depths = jnp.array([max_depth, 0, 7, max_depth // 2 + 1, 1])
-
-    def loss(W, xs):
-        f = lambda c: jnp.tanh(c @ W) + 0.5 * c  # noqa: E731
-        one = lambda x, d: dd.repeat(f, x, d, max_depth=max_depth, checkpoints=checkpoints)  # noqa: E731
-        return jnp.sum(jnp.sin(jax.vmap(one)(xs, depths)))
-
-    def plain(W, xs):
-        out = []
-        for x, d in zip(xs, depths, strict=True):
-            for _ in range(int(d)):
-                x = jnp.tanh(x @ W) + 0.5 * x
-            out.append(x)
-        return jnp.sum(jnp.sin(jnp.stack(out)))
-
-    got = jax.jit(jax.value_and_grad(loss, (0, 1)))(W, xs)
-    assert bool(traced) == two_level
-    tree_allclose(got, jax.value_and_grad(plain, (0, 1))(W, xs), rtol=1e-4, atol=1e-5)
-
-
 @pytest.mark.parametrize(
     "checkpoints, max_depth", [(2, 200), pytest.param(3, 700, marks=pytest.mark.slow)]
 )

@@ -21,8 +21,8 @@ from . import _sharding, _store, _vma
 from ._budget import recompute_slots
 from ._derivative import Perturbed
 from ._leaves import (
+    IN_BOUNDS,
     at_index,
-    gather_rows,
     merge,
     put_index,
     rows_mask,
@@ -138,8 +138,8 @@ def backward(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, steps, ct
     x_axes = [0] * len(xs) if x_axes is None else x_axes
 
     def xs_at(idx):
-        shared = lambda x: x.at[jnp.clip(idx, 0, x.shape[0] - 1)].get()  # noqa: E731
-        return [gather_rows([x], idx)[0] if ax == 0 else shared(x)
+        shared = lambda x: x.at[jnp.clip(idx, 0, x.shape[0] - 1)].get(**IN_BOUNDS)  # noqa: E731
+        return [_store.cells([x], None, idx, 1)[0] if ax == 0 else shared(x)
                 for x, ax in zip(xs, x_axes, strict=True)]  # fmt: skip
 
     vstep = loop.vstep(c_axes, B)
@@ -148,7 +148,7 @@ def backward(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, steps, ct
 
     def reverse_step(s, idx, state_c, act):
         x = xs_at(idx)
-        ct_y = gather_rows(ct_ys, idx)
+        ct_y = _store.cells(ct_ys, None, idx, 1)
         g_k, g_c, g_x = rows_vjp(loop, pert, consts, c_axes, state_c, x, loop.key_at(kd, idx),
                                  s["ct"], ct_y, act, per_row=per_row)  # fmt: skip
         s = dict(s)

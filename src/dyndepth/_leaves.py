@@ -70,14 +70,6 @@ def idle_rows_at(live: jax.Array, row: jax.Array, leaves: Sequence[Any], axes=No
             for x, ax in zip(leaves, axes, strict=True)]  # fmt: skip
 
 
-def gather_rows(bufs: Sequence[Any], idx: jax.Array) -> Leaves:
-    """``buf[b, idx[b]]`` for every (B, T, ...) buffer; the index is clamped into range."""
-    return [
-        jax.vmap(lambda a, i: lax.dynamic_index_in_dim(a, i, 0, keepdims=False))(buf, idx)
-        for buf in bufs
-    ]
-
-
 def at_index(bufs: Sequence[Any], i: jax.Array, axis: int = 0) -> Leaves:
     """``buf[i]`` at ``axis`` for every buffer (no batch axis, or a step-major one: ``(T, B,
     ...)``; ``axis=1``: a batch-major ``(B, T, ...)`` one's column)."""

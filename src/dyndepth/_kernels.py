@@ -218,7 +218,7 @@ def backward(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes: list, x_axes
             undo = live & ~recompute
         else:  # (every carry stored: slot j)
             j, undo = view.i, live
-            carry = _idle_fill(view, _store.read(buf, src, j))
+            carry = _idle_fill(view, _store.read_in_loop(buf, src, j, t))
         x = _idle_fill(view, _xs_at(ops.xs, x_axes, src, j, S), x_axes)
         ct_y = _store.cells(ops.ct_ys, src, j, 1)
         consts = _idle_fill(view, _per_slot(ops.consts, c_axes, src), c_axes)

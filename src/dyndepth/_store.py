@@ -121,6 +121,33 @@ def read(store_buf: list, b: Any, k: jax.Array) -> list:
     return cells(store_buf, b, k, 0)
 
 
+def read_in_loop(store_buf: list, b: Any, k: jax.Array, t: jax.Array) -> list:
+    """:func:`read` from the body of a loop whose iteration is ``t``, the store unchanged by
+    the loop; the per-row cells (``b`` given) of floating leaves with their bits or'ed with a
+    zero the compiler cannot fold (``t``'s sign bit, ``t >= 0``): the same bits.
+
+    A step whose products take a narrower type (a TPU's default precision, bfloat16) converts
+    the carries it reads; gathered as they are, the TPU compiler moves that conversion before
+    the gather and out of the loop, onto the whole store: a second, bfloat16 copy of it and a
+    pass over all of it on every call, whatever the depths (on a TPU v5e, 9.7 ms of the long
+    tail's 83 ms with every carry stored, a 4 GiB store, and 2 GiB more memory:
+    ``benchmarks/README.md``). A slice (``b`` None, lockstep) stays in the loop as it is. (An
+    arithmetic zero would do too, but ``x - 0.0`` flushes a subnormal ``x`` on a CPU.)"""
+    cells = read(store_buf, b, k)
+    if b is None:
+        return cells
+    zero = jax.lax.shift_right_logical(t, jnp.asarray(31, t.dtype))  # (t >= 0: its sign bit)
+    return [_same_bits(c, zero) for c in cells]
+
+
+def _same_bits(x: jax.Array, zero: jax.Array) -> jax.Array:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    bits = jnp.dtype(f"int{8 * x.dtype.itemsize}")
+    raw = jax.lax.bitcast_convert_type(x, bits) | zero.astype(bits)
+    return jax.lax.bitcast_convert_type(raw, x.dtype)
+
+
 def _rows_of(b: Any, like: jax.Array) -> jax.Array:
     return jnp.arange(like.shape[0]) if b is None else b
 

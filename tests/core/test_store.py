@@ -102,6 +102,37 @@ def test_cells_read_and_write_each_layout_as_plain_python(rows, steps, slots, ax
     np.testing.assert_array_equal(out, expected)
 
 
+SPECIAL = [0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-40, -1e-40, 1.5, -2.25]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, jnp.complex64,
+                                   jnp.int32, jnp.bool_])  # fmt: skip
+def test_a_read_in_a_loop_is_the_read_bit_for_bit(dtype):
+    """``_store.read_in_loop`` (cells less a zero of the iteration, so that a compiler cannot
+    move a conversion out of the loop) returns :func:`read`'s bits: ``-0.0``, NaN, infinities
+    and subnormals included, per-row cells and a lockstep slice, in a loop's body."""
+    values = np.array(SPECIAL * 2, np.float32)[:16]
+    buf = jnp.asarray(values.reshape(4, 2, 2)).astype(dtype)  # (K=4, B=2, 2)
+    if dtype == jnp.complex64:
+        buf = buf + 1j * buf[::-1]
+    rows = jnp.array([1, 0, 1], jnp.int32)
+    steps = jnp.array([3, 0, 2], jnp.int32)
+
+    def bits(x):
+        x = np.asarray(x)
+        return x.view(np.uint8) if x.dtype != np.bool_ else x
+
+    for b, k in ((rows, steps), (None, jnp.int32(2))):
+        want = _store.read([buf], b, k)[0]
+
+        def body(t, acc, b=b, k=k):
+            return _store.read_in_loop([buf], b, k, t)[0]
+
+        got = jax.jit(lambda z, body=body: jax.lax.fori_loop(0, 3, body, z))(jnp.zeros_like(want))
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(bits(got), bits(want))
+
+
 @pytest.mark.parametrize(
     ("checkpoints", "slots", "seed"),
     [(None, None, 0), (16, None, 1), (16, 3, 2), (4, None, 3), (6, 8, 4), (None, 2, 5)],

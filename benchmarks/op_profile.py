@@ -13,6 +13,7 @@ counts as ``step``.
 How to run (from the repository root)::
 
     .venv/bin/python benchmarks/op_profile.py --depths uniform   # also: all-512, ones
+    .venv/bin/python benchmarks/op_profile.py --depths all-512 --by-op --top 20
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ def kind_of(stack: str) -> str:
     return f"{phase} {'step' if 'vmap(' in inner else inner.split('/')[0]}"
 
 
-def profile(fn, args, calls: int) -> collections.Counter:
-    """Milliseconds per call of each kind, over ``calls`` profiled calls (after two warm-ups)."""
+def profile(fn, args, calls: int, by_op: bool = False) -> collections.Counter:
+    """Milliseconds per call of each kind (``by_op``: of each op, with its name stack), over
+    ``calls`` profiled calls (after two warm-ups)."""
     names = op_names(fn)
     for _ in range(2):
         jax.block_until_ready(fn(*args))
@@ -66,7 +68,8 @@ def profile(fn, args, calls: int) -> collections.Counter:
         name = e.get("name", "")
         if e.get("ph") != "X" or name not in names or name.startswith(("while", "cond", "call")):
             continue  # (a loop's or a branch's own event spans the ops inside it)
-        totals[kind_of(names[name])] += e["dur"] / 1e3 / calls
+        key = f"{name}: {names[name][-70:]}" if by_op else kind_of(names[name])
+        totals[key] += e["dur"] / 1e3 / calls
     return totals
 
 
@@ -75,6 +78,7 @@ def main() -> None:
     p.add_argument("--depths", choices=("uniform", "all-512", "ones"), default="uniform")
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--by-op", action="store_true", help="each op apart, not summed by kind")
     a = p.parse_args()
     if a.calls < 1 or a.top < 1:
         p.error("--calls and --top must be positive")
@@ -87,11 +91,11 @@ def main() -> None:
         "ones": jnp.ones((mp.B,), jnp.int32),
     }[a.depths]
     fn = jax.jit(mp.loop_loss(0.05)).lower(W, xs, depths).compile()
-    totals = profile(fn, (W, xs, depths), a.calls)
+    totals = profile(fn, (W, xs, depths), a.calls, a.by_op)
     print(machine_line())
     print(f"\nmemory_pressure's value_and_grad, depths {a.depths} (sum {int(depths.sum())}): "
           f"{sum(totals.values()):.1f} ms of ops per call, {a.calls} profiled calls\n")  # fmt: skip
-    print("| pass and kind | ms per call |\n|---|---|")
+    print(f"| {'op: name stack' if a.by_op else 'pass and kind'} | ms per call |\n|---|---|")
     for kind, ms in totals.most_common(a.top):
         print(f"| {kind} | {ms:.2f} |")
 

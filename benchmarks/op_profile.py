@@ -51,20 +51,24 @@ def kind_of(stack: str) -> str:
     return f"{phase} {'step' if 'vmap(' in inner else inner.split('/')[0]}"
 
 
+def trace_events(fn, args, calls: int) -> list:
+    """The events of ``jax.profiler``'s trace of ``calls`` calls of ``fn(*args)``."""
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(calls):
+                jax.block_until_ready(fn(*args))
+        (path,) = glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)
+        return json.load(gzip.open(path))["traceEvents"]
+
+
 def profile(fn, args, calls: int, by_op: bool = False) -> collections.Counter:
     """Milliseconds per call of each kind (``by_op``: of each op, with its name stack), over
     ``calls`` profiled calls (after two warm-ups)."""
     names = op_names(fn)
     for _ in range(2):
         jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for _ in range(calls):
-                jax.block_until_ready(fn(*args))
-        (path,) = glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)
-        events = json.load(gzip.open(path))["traceEvents"]
     totals = collections.Counter()
-    for e in events:
+    for e in trace_events(fn, args, calls):
         name = e.get("name", "")
         if e.get("ph") != "X" or name not in names or name.startswith(("while", "cond", "call")):
             continue  # (a loop's or a branch's own event spans the ops inside it)

@@ -20,15 +20,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
-import json
-import tempfile
 import time
 
 import jax
 import tpu
-from op_profile import op_names
+from op_profile import op_names, trace_events
 
 SPANS = ("while", "cond", "conditional", "call")
 
@@ -47,14 +43,8 @@ def device_ops(events: list) -> list:
 
 def profile(fn, args, calls: int) -> tuple[collections.Counter, collections.Counter]:
     """Milliseconds and executions per call of each op, over ``calls`` profiled calls."""
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for _ in range(calls):
-                jax.block_until_ready(fn(*args))
-        (path,) = glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)
-        events = json.load(gzip.open(path))["traceEvents"]
     ms, runs = collections.Counter(), collections.Counter()
-    for e in device_ops(events):
+    for e in device_ops(trace_events(fn, args, calls)):
         ms[e["name"]] += e["dur"] / 1e3 / calls
         runs[e["name"]] += 1 / calls
     return ms, runs

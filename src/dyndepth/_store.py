@@ -141,11 +141,22 @@ def read_in_loop(store_buf: list, b: Any, k: jax.Array, t: jax.Array) -> list:
 
 
 def _same_bits(x: jax.Array, zero: jax.Array) -> jax.Array:
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        return x
+    return _or_bits(x, zero) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
+@jax.custom_jvp
+def _or_bits(x: jax.Array, zero: jax.Array) -> jax.Array:
+    """``x`` with its bits or'ed with ``zero``; differentiated as the identity it is (a bit
+    cast alone has no derivative: forward over reverse would see a zero tangent)."""
     bits = jnp.dtype(f"int{8 * x.dtype.itemsize}")
     raw = jax.lax.bitcast_convert_type(x, bits) | zero.astype(bits)
     return jax.lax.bitcast_convert_type(raw, x.dtype)
+
+
+@_or_bits.defjvp
+def _or_bits_jvp(primals, tangents):
+    x, zero = primals
+    return _or_bits(x, zero), tangents[0]
 
 
 def _rows_of(b: Any, like: jax.Array) -> jax.Array:

@@ -137,11 +137,7 @@ def read_in_loop(store_buf: list, b: Any, k: jax.Array, t: jax.Array) -> list:
     if b is None:
         return cells
     zero = jax.lax.shift_right_logical(t, jnp.asarray(31, t.dtype))  # (t >= 0: its sign bit)
-    return [_same_bits(c, zero) for c in cells]
-
-
-def _same_bits(x: jax.Array, zero: jax.Array) -> jax.Array:
-    return _or_bits(x, zero) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    return [_or_bits(c, zero) if jnp.issubdtype(c.dtype, jnp.floating) else c for c in cells]
 
 
 @jax.custom_jvp

@@ -35,8 +35,8 @@ def loss_for(strategy, depth=3, max_depth=5):
     return loss
 
 
-def reference_loss(a, depth=3):
-    return jnp.sum(reference_repeat(lambda c: jnp.sin(c) * a, X, depth))
+def reference_loss(a, depth=3, x=X):
+    return jnp.sum(reference_repeat(lambda c: jnp.sin(c) * a, x, depth))
 
 
 def _scan_twice(g):
@@ -105,14 +105,10 @@ def test_second_order_of_a_scheduled_batch(form, checkpoints, slots):
         return jnp.sum(out)
 
     def ref(a):
-        return sum(reference_loss_of(a, x, int(d)) for x, d in zip(XB, DB, strict=True))
+        return sum(reference_loss(a, int(d), x) for x, d in zip(XB, DB, strict=True))
 
     transform = BATCH_FORMS[form]
     tree_allclose(transform(loss)(0.7), transform(ref)(0.7), **TOL)
-
-
-def reference_loss_of(a, x, depth):
-    return jnp.sum(reference_repeat(lambda c: jnp.sin(c) * a, x, depth))
 
 
 @pytest.mark.parametrize("form", [f for f in FORMS if "hessian" not in f and "jacfwd" not in f])

@@ -89,6 +89,7 @@ def forward(loop: Loop, ops: LoopOperands, axes: LoopOperands, sched: Any, *, st
     )
     if store:
         state["store"] = _store.start(loop, list(ops.init), strides)
+    sched = sched.masking(list(ops.init) + _per_step(state["ys"]))
 
     def body(s):
         s = dict(s)
@@ -202,6 +203,11 @@ def backward(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes: list, x_axes
         state["rec"] = [_sharding.zeros((R, B), a) for a in loop.carry_avals]
         layout = jnp.stack([ops.res.steps.astype(jnp.int32), ops.res.stored.stride])
 
+    sched = sched.masking([c[0] for c in buf] + list(ops.ct_carry) + _per_step(ops.ct_ys)
+                          + _per_step(take(ops.xs, [ax == 0 for ax in x_axes]))
+                          + take(ops.consts, [ax == 0 for ax in c_axes])
+                          + take(state["acc"], rows))  # fmt: skip
+
     def body(s):
         s = dict(s)
         t = s["t"]
@@ -239,6 +245,12 @@ def backward(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes: list, x_axes
 
     out = _vma.while_loop(lambda s: sched.running(s["sched"], s["t"]), body, state)
     return out["acc"], out["cur"], out["ct_xs"], out["t"]
+
+
+def _per_step(leaves: list) -> list:
+    """One step's slice ``x[:, 0]`` of batch-major ``(B, T, ...)`` leaves (``T > 0``): the
+    shapes a loop masks of them."""
+    return [x[:, 0] for x in leaves if x.shape[1]]
 
 
 def _idle_fill(view: Slots, leaves: list, axes: list | None = None) -> list:

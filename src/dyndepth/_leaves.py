@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,9 +41,69 @@ def fill(chosen: Sequence[Any], mask: Sequence[bool], other: Any = None) -> Leav
     return merge(chosen, [other] * (len(mask) - sum(mask)), mask)
 
 
-def rows_mask(mask: jax.Array, x: jax.Array) -> jax.Array:
-    """Broadcast a (B,) mask against a (B, ...) array."""
+def rows_mask(mask: Any, x: jax.Array) -> jax.Array:
+    """Broadcast a (B,) mask (or a :class:`RowsBelow`) against a (B, ...) array."""
+    if isinstance(mask, RowsBelow):
+        return mask.like(x)
     return mask.reshape(mask.shape + (1,) * (jnp.ndim(x) - 1))
+
+
+# Rows of at most this many elements are narrow (see :class:`RowsBelow`).
+NARROW = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsBelow:
+    """The rows' mask ``i < bound``, a shared ``i`` against a per-row ``bound``, which a loop
+    body compares with narrow leaves (rows of 2 to :data:`NARROW` elements) as ``i < wide``:
+    ``wide`` maps such a leaf's shape to the bound broadcast to it before the loop (see
+    :func:`wide_bounds`). XLA's CPU backend emits a select whose (B,) mask is broadcast to
+    rows of a few elements inside a loop body as scalar code, against vector code for a mask
+    of the leaf's own shape: 1.5x the time of the select at 8 elements a row, where wider
+    rows are faster broadcast (``benchmarks/cpu_row_mask.py``). ``&`` and ``~`` give the
+    plain (B,) mask."""
+
+    i: jax.Array
+    bound: jax.Array
+    wide: dict
+
+    @property
+    def rows(self) -> jax.Array:
+        return self.i < self.bound
+
+    @property
+    def shape(self) -> tuple:
+        return self.bound.shape
+
+    def like(self, x: jax.Array) -> jax.Array:
+        wide = self.wide.get(jnp.shape(x))
+        return self.i < wide if wide is not None else rows_mask(self.rows, x)
+
+    def __and__(self, other: Any) -> jax.Array:
+        return self.rows & other
+
+    __rand__ = __and__
+
+    def __invert__(self) -> jax.Array:
+        return ~self.rows
+
+
+def wide_bounds(bound: jax.Array, leaves: Sequence[Any]) -> dict:
+    """:attr:`RowsBelow.wide` for the narrow ones of ``leaves`` (arrays of the shapes a loop
+    will mask, each with a row axis of ``bound``'s ``B`` rows), computed where this is called:
+    before the loop. Each is the bound broadcast, with the bound's sharding and the manual axes
+    it varies over, not the leaf's: leaves of one shape share it (a carry part split over a
+    model axis beside a replicated one), and a mask varying over an axis its leaf does not
+    would make the leaf vary over it too (its cotangent then summed over that axis)."""
+    B = bound.shape[0]
+    out = {}
+    for x in leaves:
+        shape = jnp.shape(x)
+        if jnp.issubdtype(x.dtype, jax.dtypes.extended):  # (a key array: no zero of it)
+            continue
+        if len(shape) >= 2 and shape[0] == B and 1 < math.prod(shape[1:]) <= NARROW:
+            out.setdefault(shape, jnp.broadcast_to(rows_mask(bound, x), shape))
+    return out
 
 
 def where_rows(mask: jax.Array, new: Sequence[Any], old: Sequence[Any]) -> Leaves:

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._leaves import DROP, IN_BOUNDS, where_rows
+from ._leaves import DROP, IN_BOUNDS, RowsBelow, where_rows, wide_bounds
 from ._slots import iterations
 
 
@@ -97,6 +97,7 @@ class Lockstep:
     lengths: jax.Array
     reverse: bool = False
     at_end: bool = False
+    wide: dict = dataclasses.field(default_factory=dict)  # (see masking)
     # (computed once, before the loop: in its body they would be reductions every iteration)
     iterations: jax.Array = dataclasses.field(init=False)
     longest: jax.Array = dataclasses.field(init=False)  # a sample with that many steps
@@ -110,6 +111,15 @@ class Lockstep:
     def slots(self) -> int:
         return self.lengths.shape[0]
 
+    def masking(self, leaves: list) -> Lockstep:
+        """This schedule, its masks of one shared step (``i < lengths``) compared with the narrow
+        ones of ``leaves`` (the arrays of the shapes the loop masks) without a broadcast in the
+        loop: :class:`dyndepth._leaves.RowsBelow`. Call it before the loop."""
+        return dataclasses.replace(self, wide=wide_bounds(self.lengths, leaves))
+
+    def _below(self, i: jax.Array) -> Any:
+        return RowsBelow(i, self.lengths, self.wide) if self.wide else i < self.lengths
+
     def start(self, init: list) -> dict:
         return {}
 
@@ -118,10 +128,10 @@ class Lockstep:
 
     def view(self, state: dict, t: jax.Array) -> Slots:
         if not self.reverse:
-            return Slots(None, t, t < self.lengths)
+            return Slots(None, t, self._below(t))
         if self.at_end:
             i = self.iterations - 1 - t
-            return Slots(None, i, i < self.lengths, fill=self.longest if self.slots else None)
+            return Slots(None, i, self._below(i), fill=self.longest if self.slots else None)
         # A sample already done reads its step 0; one with no steps, a sample's that has some.
         src = jnp.where(self.lengths > 0, jnp.arange(self.slots), self.longest)
         i = jnp.maximum(self.lengths.at[src].get(**IN_BOUNDS) - 1 - t, 0)
@@ -179,6 +189,9 @@ class Wrap:
         table = jnp.stack([start, length, head, after.astype(jnp.int32)])
         return Wrap(S, C, total, table, jnp.where(first >= B, last, first), reverse)
 
+    def masking(self, leaves: list):
+        return self
+
     def start(self, init: list) -> dict:
         return {"b": self.first}
 
@@ -221,6 +234,9 @@ class LockstepWhile:
     def slots(self) -> int:
         return self.bound.shape[0]
 
+    def masking(self, leaves: list):
+        return self
+
     def start(self, init: list) -> dict:
         i = jnp.zeros(self.bound.shape, jnp.int32)
         return {"i": i, "act": self._active(i, init)}
@@ -254,6 +270,9 @@ class Refill:
     holds: Any
     order: jax.Array
     pending: jax.Array
+
+    def masking(self, leaves: list):
+        return self
 
     def start(self, init: list) -> dict:
         B = self.bound.shape[0]

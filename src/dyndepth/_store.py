@@ -102,7 +102,10 @@ def put(loop: Loop, store: dict, b: Any, i: jax.Array, carry: list, live: jax.Ar
     """Store each live slot's ``carry``, the carry before its sample's step ``i``, where that
     step falls on the sample's stride."""
     if not loop.thinning:  # every carry is stored: slot i
-        return dict(store, buf=put_cells(store["buf"], b, i, carry, live, 0))
+        # (a lockstep row past its steps writes a slot that no backward pass reads: one slice
+        # written as it is, no read of the old one and no select)
+        want = None if b is None and jnp.ndim(i) == 0 else live
+        return dict(store, buf=put_cells(store["buf"], b, i, carry, want, 0))
     if "count" in store:
         store = _make_room(loop, store, b, i, live)
     stride = at_slots([store["stride"]], b)[0]

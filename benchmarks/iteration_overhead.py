@@ -7,7 +7,10 @@ rounds: the contenders take turns, each round starting at the next one, after a 
 each) over its iterations:
 
 - ``lax.scan`` forward (masked: a select keeps finished samples) and ``jax.checkpoint`` + masked
-  ``lax.scan`` value_and_grad: 200 iterations whatever the depths;
+  ``lax.scan`` value_and_grad: 200 iterations whatever the depths; the same with the mask
+  hoisted (``measure.masked_scan(..., hoisted=True)``: the depths broadcast to the carry's
+  shape before the scan, as dyndepth's lockstep loops do for rows of at most 8 elements, which
+  XLA's CPU backend then masks with vector code);
 - ``repeat_batched`` in lockstep (``slots=B``, and one shared depth for the batch: all-200 only)
   and wrap-around (``slots=32``), forward and value_and_grad: iterations from ``return_stats``;
 - ``vmap(lax.while_loop)`` forward (``max(depth)`` iterations) and ``vmap(dyndepth.while_loop)``
@@ -61,6 +64,14 @@ def scan_remat(xs, ds):
     return masked_scan(step, xs, ds, MAX_DEPTH, remat=True)
 
 
+def scan_hoisted(xs, ds):
+    return masked_scan(step, xs, ds, MAX_DEPTH, hoisted=True)
+
+
+def scan_remat_hoisted(xs, ds):
+    return masked_scan(step, xs, ds, MAX_DEPTH, remat=True, hoisted=True)
+
+
 def batched(slots, shared=False, return_stats=False):
     def run(xs, ds):
         depths = jnp.max(ds) if shared else ds
@@ -110,6 +121,8 @@ def contenders(shared_row: bool):
     rows = {
         "`lax.scan` (masked)": ("fwd", scan_fwd, n_scan),
         "`jax.checkpoint` + `lax.scan` (masked)": ("vg", scan_remat, n_scan),
+        "`lax.scan`, mask hoisted": ("fwd", scan_hoisted, n_scan),
+        "`jax.checkpoint` + `lax.scan`, mask hoisted": ("vg", scan_remat_hoisted, n_scan),
         "lockstep, `slots=B`": ("both", batched(B), n_stats(batched(B, return_stats=True))),
     }
     if shared_row:
@@ -158,6 +171,12 @@ def measure_batch(label: str, ds: jax.Array, rounds: int) -> None:
           f"{ratio(wrap, 'vg', scan_vg):.2f}x (<= 1.3); forward / `lax.scan`: lockstep "
           f"{ratio('lockstep, `slots=B`', 'fwd', scan_f):.2f}x, wrap-around "
           f"{ratio(wrap, 'fwd', scan_f):.2f}x (<= 1.1)")  # fmt: skip
+    hoisted_vg = per["`jax.checkpoint` + `lax.scan`, mask hoisted", "vg"]
+    hoisted_f = per["`lax.scan`, mask hoisted", "fwd"]
+    print(f"Against the scans with the mask hoisted: lockstep value_and_grad "
+          f"{ratio('lockstep, `slots=B`', 'vg', hoisted_vg):.2f}x, wrap-around "
+          f"{ratio(wrap, 'vg', hoisted_vg):.2f}x; forward lockstep "
+          f"{ratio('lockstep, `slots=B`', 'fwd', hoisted_f):.2f}x")  # fmt: skip
 
 
 def main() -> None:

@@ -57,13 +57,19 @@ def uniform_depths(seed: int, batch: int, hi: int) -> jax.Array:
     return jax.random.randint(jax.random.PRNGKey(seed), (batch,), 1, hi + 1, dtype=jnp.int32)
 
 
-def masked_scan(step: Callable, xs, depths, length: int, remat: bool = False):
+def masked_scan(step: Callable, xs, depths, length: int, remat: bool = False,
+                hoisted: bool = False):  # fmt: skip
     """The baseline every meter compares with: a ``lax.scan`` over ``length`` steps of a batch
     ``xs`` whose sample ``b`` keeps ``step``'s output while ``i < depths[b]`` and its carry after
     (a select, as the seed's ``lax.cond`` becomes under ``vmap``); with ``remat``, the step under
-    ``jax.checkpoint`` (its residuals recomputed in the backward pass)."""
+    ``jax.checkpoint`` (its residuals recomputed in the backward pass). ``hoisted``: the depths
+    broadcast to the carry's shape before the scan, the mask then compared at that shape (on
+    XLA's CPU backend, vector code for rows of a few elements where the broadcast row mask is
+    scalar code: ``benchmarks/cpu_row_mask.py``)."""
     body = jax.checkpoint(step) if remat else step
-    keep = lambda i: (i < depths).reshape((-1,) + (1,) * (xs.ndim - 1))  # noqa: E731
+    rows = depths.reshape((-1,) + (1,) * (xs.ndim - 1))
+    bound = jnp.broadcast_to(rows, xs.shape) if hoisted else rows
+    keep = lambda i: i < bound  # noqa: E731
 
     def one(c, i):
         return jnp.where(keep(i), body(c), c), None

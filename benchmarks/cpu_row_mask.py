@@ -7,9 +7,11 @@ tanh(c)``, T=200), differing only in where the mask that freezes finished rows c
 - ``stored mask``: a ``(T, B, W)`` bool array read at the step, what ``jax.checkpoint`` +
   masked ``lax.scan``'s backward pass reads (its forward pass stores the broadcast mask);
 - ``row mask``: ``j < lengths`` per row, broadcast to ``(B, W)`` in the loop body, what a
-  dyndepth lockstep backward pass computes (``dyndepth._leaves.rows_mask``);
+  dyndepth lockstep backward pass computes for rows of more than 8 elements
+  (``dyndepth._leaves.rows_mask``);
 - ``hoisted lengths``: the lengths broadcast to ``(B, W)`` once, before the loop, compared with
-  the step in the body.
+  the step in the body, what it computes for rows of 2 to 8 elements
+  (``dyndepth._leaves.RowsBelow``).
 
 On XLA's CPU backend (JAX 0.10.2) the ``row mask`` body is emitted as scalar code (no vector
 instructions in its fusion: ``XLA_FLAGS=--xla_dump_to=...``), the other two are vectorized.

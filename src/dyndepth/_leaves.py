@@ -99,8 +99,6 @@ def wide_bounds(bound: jax.Array, leaves: Sequence[Any]) -> dict:
     out = {}
     for x in leaves:
         shape = jnp.shape(x)
-        if jnp.issubdtype(x.dtype, jax.dtypes.extended):  # (a key array: no zero of it)
-            continue
         if len(shape) >= 2 and shape[0] == B and 1 < math.prod(shape[1:]) <= NARROW:
             out.setdefault(shape, jnp.broadcast_to(rows_mask(bound, x), shape))
     return out

@@ -178,11 +178,11 @@ def _cell(x: jax.Array, b: Any, k: jax.Array, axis: int) -> jax.Array:
     return x.at[(k, rows) if axis == 0 else (rows, k)].get(**IN_BOUNDS)
 
 
-def put_cells(bufs: list, b: Any, k: jax.Array, values: list, want: jax.Array,
+def put_cells(bufs: list, b: Any, k: jax.Array, values: list, want: Any,
               axis: int) -> list:  # fmt: skip
     """``buf`` at row ``b[s]``, position ``k[s]`` on ``axis`` (see :func:`cells`) set to
     ``value[s]`` where ``want``; one shared ``k`` with ``b`` None is a slice write (a dynamic
-    update slice, not a scatter)."""
+    update slice, not a scatter), of every row where ``want`` is None."""
     if b is None and jnp.ndim(k) == 0:
         return put_index(bufs, k, values, want, axis=axis)
     rows = _rows_of(b, want)

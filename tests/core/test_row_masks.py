@@ -35,7 +35,7 @@ def test_the_hoisted_mask_is_the_broadcast_mask(i):
     assert below.shape == (B,)
 
 
-def test_no_wide_bound_for_other_row_counts_or_key_arrays():
+def test_no_wide_bound_for_other_row_counts_or_rows_of_one_element():
     bound = jnp.arange(B, dtype=jnp.int32)
     leaves = [jnp.ones((B + 1, 2)), jax.random.split(jax.random.key(0), B), jnp.ones((B,))]
     assert wide_bounds(bound, leaves) == {}

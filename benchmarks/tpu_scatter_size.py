@@ -11,7 +11,9 @@ a write of ``S`` rows of ``D`` float32 (4 MiB at the defaults) per iteration:
 - at ``K = 64`` (1 GiB): the same rows at a 1-D index into the buffer flattened to
   ``(K x B, D)``, sorted, or all in one slot (one 16 MiB slab);
 - a ``dynamic_update_slice`` of the ``S`` rows as one contiguous block (what a store laid out
-  by schedule, one block per iteration, would write).
+  by schedule, one block per iteration, would write);
+- at ``K = 64``, scatters of ``S / 4`` and ``4 S`` rows an iteration (is the cost per scatter or
+  per row: would gathering the writes of several iterations into one scatter help?).
 
 Each loop's time is the best of five calls, over ``T``. Every write also multiplies its rows
 by the iteration (one pass over them).
@@ -45,14 +47,18 @@ def best_ms(fn) -> float:
     return 1e3 * best
 
 
-def looped(shape: tuple, write) -> callable:
-    rows = jax.random.permutation(jax.random.PRNGKey(0), B)[:S].astype(jnp.int32)
-    update = jax.random.normal(jax.random.PRNGKey(1), (S, D))
+def looped(shape: tuple, write, n: int | None = None) -> callable:
+    """The loop writing ``n`` rows (default ``S``) an iteration into a buffer of ``shape``."""
+    n = S if n is None else n
+    # (distinct cells: no two writes of an iteration alike; past B rows, the next slots too)
+    cells = jax.random.permutation(jax.random.PRNGKey(0), max(n, B))[:n]
+    rows, slot = cells % B, cells // B
+    update = jax.random.normal(jax.random.PRNGKey(1), (n, D))
     K = shape[0] if len(shape) == 3 else shape[0] // B
 
     def run():
         def body(t, buf):
-            return write(buf, (rows + 7 * t) % B, (rows + t) % K, update * t, t)
+            return write(buf, (rows + 7 * t) % B, (slot + rows + t) % K, update * t, t)
 
         # (a corner of the buffer, so that every write is needed)
         return lax.fori_loop(0, T, body, jnp.zeros(shape)).reshape(-1)[:4]
@@ -85,6 +91,10 @@ def main() -> None:
     }
     for name, write in forms.items():
         out.append((f"{name} ({K * B * D * 4 >> 20} MiB)", best_ms(looped(flat, write))))
+    scatter = lambda buf, b, i, u, t: buf.at[i, b].set(u, **DROP)  # noqa: E731
+    for n in (S // 4, 4 * S):
+        ms = best_ms(looped((K, B, D), scatter, n))
+        out.append((f"scatter, 2-D index, {n} rows an iteration ({K * B * D * 4 >> 20} MiB)", ms))
     print("| write per iteration | ms | µs / iteration |\n|---|---|---|")
     for name, ms in out:
         print(f"| {name} | {ms:.2f} | {1e3 * ms / T:.1f} |")

@@ -56,20 +56,9 @@ def loss_of(run):
     return jax.value_and_grad(lambda xs, ds: jnp.sum(run(xs, ds) ** 2))
 
 
-def scan_fwd(xs, ds):
-    return masked_scan(step, xs, ds, MAX_DEPTH)
-
-
-def scan_remat(xs, ds):
-    return masked_scan(step, xs, ds, MAX_DEPTH, remat=True)
-
-
-def scan_hoisted(xs, ds):
-    return masked_scan(step, xs, ds, MAX_DEPTH, hoisted=True)
-
-
-def scan_remat_hoisted(xs, ds):
-    return masked_scan(step, xs, ds, MAX_DEPTH, remat=True, hoisted=True)
+def scan(remat=False, hoisted=False):
+    """The masked scan over ``MAX_DEPTH`` steps (see :func:`measure.masked_scan`)."""
+    return lambda xs, ds: masked_scan(step, xs, ds, MAX_DEPTH, remat=remat, hoisted=hoisted)
 
 
 def batched(slots, shared=False, return_stats=False):
@@ -119,10 +108,10 @@ def contenders(shared_row: bool):
         return count
 
     rows = {
-        "`lax.scan` (masked)": ("fwd", scan_fwd, n_scan),
-        "`jax.checkpoint` + `lax.scan` (masked)": ("vg", scan_remat, n_scan),
-        "`lax.scan`, mask hoisted": ("fwd", scan_hoisted, n_scan),
-        "`jax.checkpoint` + `lax.scan`, mask hoisted": ("vg", scan_remat_hoisted, n_scan),
+        "`lax.scan` (masked)": ("fwd", scan(), n_scan),
+        "`jax.checkpoint` + `lax.scan` (masked)": ("vg", scan(remat=True), n_scan),
+        "`lax.scan`, mask hoisted": ("fwd", scan(hoisted=True), n_scan),
+        "`jax.checkpoint` + `lax.scan`, mask hoisted": ("vg", scan(True, True), n_scan),
         "lockstep, `slots=B`": ("both", batched(B), n_stats(batched(B, return_stats=True))),
     }
     if shared_row:

@@ -203,7 +203,8 @@ def backward(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes: list, x_axes
         state["rec"] = [_sharding.zeros((R, B), a) for a in loop.carry_avals]
         layout = jnp.stack([ops.res.steps.astype(jnp.int32), ops.res.stored.stride])
 
-    sched = sched.masking([c[0] for c in buf] + list(ops.ct_carry) + _per_step(ops.ct_ys)
+    # (the stored carries' shapes are also those of the carries' cotangents)
+    sched = sched.masking([c[0] for c in buf] + _per_step(ops.ct_ys)
                           + _per_step(take(ops.xs, [ax == 0 for ax in x_axes]))
                           + take(ops.consts, [ax == 0 for ax in c_axes])
                           + take(state["acc"], rows))  # fmt: skip

@@ -44,9 +44,9 @@ MID_GRAD_CONFIGS = [
 
 def cfg_id(cfg) -> str:
     """The test id of a ``(strategy, checkpoints, ...)`` configuration: ``"auto"``,
-    ``"checkpointed-K2"``."""
+    ``"checkpointed-K2"``, ``"auto-K2-within"`` (further entries joined on)."""
     strategy, k = cfg[:2]
-    return strategy if k is None else f"{strategy}-K{k}"
+    return "-".join([strategy] + ([] if k is None else [f"K{k}"]) + [str(e) for e in cfg[2:]])
 
 
 # ----------------------------------------------------------------------------- keys

@@ -453,28 +453,41 @@ def _lockstep_at_end(loop: Loop) -> bool:
 
 def _backward_kernel(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes, x_axes,
                      per_sample: bool, per_row: bool) -> tuple:  # fmt: skip
-    """Run the backward pass of :class:`_BackwardPlan` over a batch of rows."""
+    """Run the backward pass of :class:`_BackwardPlan` over a batch of rows.
+
+    A thinned store whose samples all kept every carry (stride 1: each sample's steps within
+    its slots, as under a generous ``max_steps``) runs the pass of the loop that stores every
+    carry (:func:`dyndepth._budget.within_store`): the same units, without the thinned pass's
+    bookkeeping and its second read per unit, which cost as much as a tenth of the pass
+    (``benchmarks/README.md``, "Every carry kept under a thinned store")."""
     steps = ops.res.steps.astype(jnp.int32)
-    rows = steps.shape[0]
-    plan = _BackwardPlan.of(loop, steps, ops.res.stored.stride, ops.consts, c_axes, per_sample)
+    stride = ops.res.stored.stride
 
-    at_end = _lockstep_at_end(loop)
+    def scheduled(loop: Loop, plan: _BackwardPlan) -> tuple:
+        rows = steps.shape[0]
+        at_end = _lockstep_at_end(loop)
 
-    def run(S):
-        sched = (_schedule.Lockstep(plan.units, reverse=True, at_end=at_end) if S >= rows
-                 else _schedule.Wrap.of(plan.units, S, reverse=True))  # fmt: skip
-        return _kernels.backward(loop, pert, ops, c_axes, x_axes, sched, per_row=per_row)[:3]
+        def run(S):
+            sched = (_schedule.Lockstep(plan.units, reverse=True, at_end=at_end) if S >= rows
+                     else _schedule.Wrap.of(plan.units, S, reverse=True))  # fmt: skip
+            return _kernels.backward(loop, pert, ops, c_axes, x_axes, sched, per_row=per_row)[:3]
 
-    def scheduled():
         return run(rows) if plan.rule is None else _with_slots(plan.units, plan.rule, run)
 
+    def plan_of(loop: Loop) -> _BackwardPlan:
+        return _BackwardPlan.of(loop, steps, stride, ops.consts, c_axes, per_sample)
+
+    plan = plan_of(loop)
     if plan.fits is None:
-        return scheduled()
+        return scheduled(loop, plan)
 
     def two_level():
-        stored = (ops.res.stored.buf, ops.res.stored.stride)
+        stored = (ops.res.stored.buf, stride)
         return _batched.backward(loop, pert, ops.consts, c_axes, ops.xs, ops.kd, stored, steps,
                                  ops.ct_carry, ops.ct_ys, per_row=per_row,
                                  x_axes=x_axes)  # fmt: skip
 
-    return tuple(_vma.cond(plan.fits, scheduled, two_level))
+    every = _budget.within_store(loop)
+    branches = [lambda: scheduled(every, plan_of(every)), lambda: scheduled(loop, plan), two_level]
+    which = jnp.where(jnp.all(stride == 1), 0, jnp.where(plan.fits, 1, 2))
+    return tuple(_vma.switch(which, branches))

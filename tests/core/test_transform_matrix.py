@@ -37,6 +37,10 @@ PARAMS = {
 X = jax.random.normal(jax.random.PRNGKey(2), (G * B, DIM))
 # Per-sample depths with 0 and MAX; distinct neighbours, so a mixed-up sample shows.
 DEPTHS = jnp.array([2, 0, MAX, 1, 3, MAX], jnp.int32)
+# Depths within 2 stored carries (a configuration's third entry "within"): with
+# ``checkpoints=2`` every sample keeps every carry, and a batch's backward pass is that of a
+# loop storing every carry (``dyndepth._budget.within_store``) where the depths above thin.
+WITHIN = jnp.array([2, 0, 1, 2, 1, 0], jnp.int32)
 KEYS = jax.random.split(jax.random.PRNGKey(3), G * B)
 HEADS = jax.random.normal(jax.random.PRNGKey(4), (H, DIM))
 SEQ = jax.random.normal(jax.random.PRNGKey(5), (G * B, MAX, DIM))
@@ -177,11 +181,11 @@ CASES = {
 }
 
 
-def sample_args(case):
+def sample_args(case, depths=DEPTHS):
     """Per-sample arguments after ``params``: (x, depth, key[, seq])."""
     if case == "scan":
-        return (X, DEPTHS, KEYS, SEQ)
-    return (X, DEPTHS, KEYS)
+        return (X, depths, KEYS, SEQ)
+    return (X, depths, KEYS)
 
 
 # ----------------------------------------------------------------------------- transforms
@@ -304,21 +308,26 @@ FORWARD = {
     "jacfwd": t_jacfwd,
 }
 CONFIGS = [("masked", None), ("checkpointed", None), ("checkpointed", 2), ("auto", None),
-           ("auto", 2), ("while", None)]  # fmt: skip
+           ("auto", 2), ("auto", 2, "within"), ("checkpointed", 2, "within"),
+           ("while", None)]  # fmt: skip
+
+
+def depths_of(cfg):
+    return WITHIN if cfg[2:] == ("within",) else DEPTHS
 
 
 @functools.cache
-def expected(case, transform):
+def expected(case, transform, within=False):
     """The reference result (it does not depend on the strategy: computed once per session)."""
     _, ref = CASES[case]("masked", None)
-    return transform(python_vmap, ref, PARAMS, sample_args(case))
+    return transform(python_vmap, ref, PARAMS, sample_args(case, WITHIN if within else DEPTHS))
 
 
 def check(case, cfg, transform):
-    fn, _ = CASES[case](*cfg)
-    args = sample_args(case)
+    fn, _ = CASES[case](*cfg[:2])
+    args = sample_args(case, depths_of(cfg))
     got = jax.jit(lambda p, *a: transform(jax.vmap, fn, p, a))(PARAMS, *args)
-    want = expected(case, transform)
+    want = expected(case, transform, cfg[2:] == ("within",))
     tree_allclose(got, want, **TOL, err_msg=f"{case} {cfg_id(cfg)} {transform.__name__}")
 
 

@@ -89,20 +89,20 @@ COMBOS += [(name, CASES[(j + 2) % len(CASES)], CONFIGS[(j + 1) % len(CONFIGS)])
            for j, name in enumerate(tm.FORWARD)]  # fmt: skip
 
 
-def rbg_args(case):
+def rbg_args(case, depths):
     keys = keys_of("rbg", tm.G * tm.B)
     if case == "scan":
-        return (tm.X, tm.DEPTHS, keys, tm.SEQ)
-    return (tm.X, tm.DEPTHS, keys)
+        return (tm.X, depths, keys, tm.SEQ)
+    return (tm.X, depths, keys)
 
 
 @pytest.mark.parametrize(("name", "case", "cfg"), COMBOS,
                          ids=[f"{n}-{c}-{cfg_id(k)}" for n, c, k in COMBOS])  # fmt: skip
 def test_transform_matrix_with_rbg_keys(name, case, cfg):
     transform = {**tm.REVERSE, **tm.FORWARD}[name]
-    fn, _ = tm.CASES[case](*cfg)
+    fn, _ = tm.CASES[case](*cfg[:2])
     _, ref = tm.CASES[case]("masked", None)
-    args = rbg_args(case)
+    args = rbg_args(case, tm.depths_of(cfg))
     got = jax.jit(lambda p, *a: transform(jax.vmap, fn, p, a))(tm.PARAMS, *args)
     want = transform(tm.python_vmap, ref, tm.PARAMS, args)
     tree_allclose(got, want, **tm.TOL, err_msg=f"{case} {cfg_id(cfg)} {name}")

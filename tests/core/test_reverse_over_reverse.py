@@ -139,7 +139,8 @@ TRANSFORMS = {
     "grad(cond(grad))": t_grad_cond_grad,
     "grad(checkpoint(grad(vmap)))": t_grad_checkpoint_grad,
 }
-CONFIGS = [("auto", None), ("checkpointed", 2), ("checkpointed", None), ("auto", 2)]
+CONFIGS = [("auto", None), ("checkpointed", 2), ("checkpointed", None), ("auto", 2),
+           ("auto", 2, "within")]  # fmt: skip
 # Every case under every transform with DYNDEPTH_FULL=1 (make test-full); otherwise three
 # cases per transform, rotating, so that every case meets three transforms.
 COMBOS = [(t, c, CONFIGS[(i + j) % len(CONFIGS)])
@@ -150,9 +151,9 @@ COMBOS = [(t, c, CONFIGS[(i + j) % len(CONFIGS)])
 @pytest.mark.parametrize(("name", "case", "cfg"), COMBOS,
                          ids=[f"{n}-{c}-{cfg_id(k)}" for n, c, k in COMBOS])  # fmt: skip
 def test_reverse_over_reverse_matrix(name, case, cfg):
-    fn, _ = tm.CASES[case](*cfg)
+    fn, _ = tm.CASES[case](*cfg[:2])
     _, ref = tm.CASES[case]("masked", None)
-    args = tm.sample_args(case)
+    args = tm.sample_args(case, tm.depths_of(cfg))
     transform = TRANSFORMS[name]
     got = jax.jit(lambda p, *a: transform(jax.vmap, fn, p, a))(tm.PARAMS, *args)
     want = transform(tm.python_vmap, ref, tm.PARAMS, args)

@@ -26,7 +26,9 @@ from test_transform_matrix import (
     REVERSE,
     SEQ,
     TOL,
+    WITHIN,
     X,
+    depths_of,
     python_vmap,
 )
 
@@ -136,14 +138,14 @@ CASES = {
 }
 
 
-def sample_args(case):
-    return (X, DEPTHS, KEYS, SEQ) if case == "scan" else (X, DEPTHS, KEYS)
+def sample_args(case, depths=DEPTHS):
+    return (X, depths, KEYS, SEQ) if case == "scan" else (X, depths, KEYS)
 
 
 @functools.cache
-def expected(case, transform):
+def expected(case, transform, within=False):
     _, ref = CASES[case]("masked", None)
-    return transform(python_vmap, ref, PARAMS, sample_args(case))
+    return transform(python_vmap, ref, PARAMS, sample_args(case, WITHIN if within else DEPTHS))
 
 
 def covering(transforms, configs):
@@ -166,10 +168,12 @@ TRIPLES += [(c, n, k, FORWARD) for c, n, k in covering(list(FORWARD), CONFIGS)]
     ids=[f"{c}-{n}-{cfg_id(k)}" for c, n, k, _ in TRIPLES],
 )
 def test_step_index_matrix(case, name, cfg, table):
-    fn, _ = CASES[case](*cfg)
+    fn, _ = CASES[case](*cfg[:2])
     transform = table[name]
-    got = jax.jit(lambda p, *a: transform(jax.vmap, fn, p, a))(PARAMS, *sample_args(case))
-    tree_allclose(got, expected(case, transform), **TOL, err_msg=f"{case} {cfg_id(cfg)} {name}")
+    args = sample_args(case, depths_of(cfg))
+    got = jax.jit(lambda p, *a: transform(jax.vmap, fn, p, a))(PARAMS, *args)
+    want = expected(case, transform, cfg[2:] == ("within",))
+    tree_allclose(got, want, **TOL, err_msg=f"{case} {cfg_id(cfg)} {name}")
 
 
 @pytest.mark.parametrize("slots", [None, 1, 2, 4])

@@ -58,6 +58,11 @@ SCRIPT = textwrap.dedent(
         one = lambda x, d, k: dd.repeat(step(W), x, d, max_depth=T, key=k, checkpoints=3)
         return jax.vmap(one)(xs, ds, ks)
 
+    def vmap_repeat_within(W, xs, ds, ks):  # every depth within the 3 carries stored
+        one = lambda x, d, k: dd.repeat(step(W), x, jnp.minimum(d, 3), max_depth=T, key=k,
+                                        checkpoints=3)
+        return jax.vmap(one)(xs, ds, ks)
+
     def repeat_batched(W, xs, ds, ks):
         return dd.repeat_batched(step(W), xs, ds, max_depth=T, keys=ks)
 
@@ -104,7 +109,7 @@ SCRIPT = textwrap.dedent(
                  repeat_batched=repeat_batched, vmap_scan=vmap_scan, vmap_while=vmap_while,
                  recurrent_depth=recurrent_depth, nested_vmap=nested_vmap,
                  layer_drop=layer_drop, stochastic_residual=stochastic_residual,
-                 halting=halting)
+                 halting=halting, vmap_repeat_within=vmap_repeat_within)
 
     def loss_of(run):
         return lambda W, xs, ds, ks: jnp.sum(run(W, xs, ds, ks) ** 2)
@@ -259,7 +264,7 @@ SCRIPT = textwrap.dedent(
 
 LOOPS = ("vmap_repeat", "vmap_repeat_checkpoints", "repeat_batched", "vmap_scan", "vmap_while",
          "recurrent_depth", "nested_vmap", "layer_drop", "stochastic_residual",
-         "halting")  # fmt: skip
+         "halting", "vmap_repeat_within")  # fmt: skip
 
 
 MODEL_GROUPS = ("{{0,1},{2,3},{4,5},{6,7}}", "[4,2]<=[8]")  # each data shard's two devices

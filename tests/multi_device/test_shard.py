@@ -364,6 +364,9 @@ TWO_D_SCRIPT = textwrap.dedent(
                                                                  max_depth=M, key=k)),
         "checkpointed": per_sample(lambda W, x, d, k: dyndepth.repeat(
             layer(W), x, d, max_depth=M, key=k, checkpoints=3)),
+        # every depth within the 3 carries stored: the every-carry backward pass per device
+        "checkpoints_within": per_sample(lambda W, x, d, k: dyndepth.repeat(
+            layer(W), x, jnp.minimum(d, 3), max_depth=M, key=k, checkpoints=3)),
         "masked": per_sample(lambda W, x, d, k: dyndepth.repeat(
             layer(W), x, d, max_depth=M, key=k, strategy="masked")),
         "scan": per_sample(lambda W, x, d, k: dyndepth.scan(
@@ -505,7 +508,7 @@ def test_shard_map_on_a_two_dimensional_mesh():
     assert results.pop("empty_scan") < 1e-6
     for message in results.pop("guard"):
         assert "collective over mesh axis 'data'" in message, message
-    assert len(results) == 10
+    assert len(results) == 11
     for name, rec in results.items():
         assert rec["err"] < 1e-5, (name, rec)
         assert rec["all_gather"] == 0, (name, rec)

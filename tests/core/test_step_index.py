@@ -18,6 +18,7 @@ from helpers import tree_allclose
 from shared_lists import cfg_id
 from test_transform_matrix import (
     CONFIGS,
+    DEPTH_SETS,
     DEPTHS,
     FORWARD,
     KEYS,
@@ -26,8 +27,8 @@ from test_transform_matrix import (
     REVERSE,
     SEQ,
     TOL,
-    WITHIN,
     X,
+    depth_set,
     depths_of,
     python_vmap,
 )
@@ -143,9 +144,9 @@ def sample_args(case, depths=DEPTHS):
 
 
 @functools.cache
-def expected(case, transform, within=False):
+def expected(case, transform, depths="all"):
     _, ref = CASES[case]("masked", None)
-    return transform(python_vmap, ref, PARAMS, sample_args(case, WITHIN if within else DEPTHS))
+    return transform(python_vmap, ref, PARAMS, sample_args(case, DEPTH_SETS[depths]))
 
 
 def covering(transforms, configs):
@@ -172,7 +173,7 @@ def test_step_index_matrix(case, name, cfg, table):
     transform = table[name]
     args = sample_args(case, depths_of(cfg))
     got = jax.jit(lambda p, *a: transform(jax.vmap, fn, p, a))(PARAMS, *args)
-    want = expected(case, transform, cfg[2:] == ("within",))
+    want = expected(case, transform, depth_set(cfg))
     tree_allclose(got, want, **TOL, err_msg=f"{case} {cfg_id(cfg)} {name}")
 
 

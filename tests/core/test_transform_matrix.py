@@ -312,22 +312,31 @@ CONFIGS = [("masked", None), ("checkpointed", None), ("checkpointed", 2), ("auto
            ("while", None)]  # fmt: skip
 
 
+DEPTH_SETS = {"all": DEPTHS, "within": WITHIN}
+
+
+def depth_set(cfg):
+    """The name of a configuration's depths: its third entry, or ``"all"``."""
+    return cfg[2] if cfg[2:] else "all"
+
+
 def depths_of(cfg):
-    return WITHIN if cfg[2:] == ("within",) else DEPTHS
+    return DEPTH_SETS[depth_set(cfg)]
 
 
 @functools.cache
-def expected(case, transform, within=False):
-    """The reference result (it does not depend on the strategy: computed once per session)."""
+def expected(case, transform, depths="all"):
+    """The reference result on a set of depths (it does not depend on the strategy: computed
+    once per session)."""
     _, ref = CASES[case]("masked", None)
-    return transform(python_vmap, ref, PARAMS, sample_args(case, WITHIN if within else DEPTHS))
+    return transform(python_vmap, ref, PARAMS, sample_args(case, DEPTH_SETS[depths]))
 
 
 def check(case, cfg, transform):
     fn, _ = CASES[case](*cfg[:2])
     args = sample_args(case, depths_of(cfg))
     got = jax.jit(lambda p, *a: transform(jax.vmap, fn, p, a))(PARAMS, *args)
-    want = expected(case, transform, cfg[2:] == ("within",))
+    want = expected(case, transform, depth_set(cfg))
     tree_allclose(got, want, **TOL, err_msg=f"{case} {cfg_id(cfg)} {transform.__name__}")
 
 

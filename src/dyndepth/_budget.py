@@ -191,16 +191,12 @@ def _with_checkpoints(loop: Loop, checkpoints: int | None) -> Loop:
     return variants[checkpoints]
 
 
-def within_store(loop: Loop) -> Loop:
-    """``loop`` cut to the ``K`` steps its store holds per sample (``K`` its
-    :attr:`~dyndepth._step.Loop.slots_stored`), storing every carry: a thinned store whose
-    samples have at most ``K`` steps each holds every carry (stride 1), as this loop's does, and
-    their backward pass is this loop's. One object per loop (see :func:`_with_checkpoints`)."""
-    variants = _VARIANTS.setdefault(loop, {})
-    if "within" not in variants:
-        K = loop.slots_stored
-        variants["within"] = dataclasses.replace(loop, max_steps=K, checkpoints=None)
-    return variants["within"]
+def every_carry(loop: Loop) -> Loop:
+    """``loop`` storing every carry: the backward pass of a thinned store whose samples all
+    kept every carry (stride 1: each sample's steps within the store's ``K`` slots, or the
+    store written in schedule order, :mod:`dyndepth._store`) is this loop's. One object per
+    loop (see :func:`_with_checkpoints`)."""
+    return _with_checkpoints(loop, None)
 
 
 def fitted(loop: Loop, batch: tuple) -> Loop:

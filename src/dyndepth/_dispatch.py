@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from . import (
     _batched,
     _budget,
+    _cost,
     _kernels,
     _schedule,
     _sharding,
@@ -48,7 +49,7 @@ from ._operands import (
     Stored,
     n_stored,
 )
-from ._per_device import Across, partitioning, per_device
+from ._per_device import Across, partitioning, per_device, samples_keep_columns
 from ._residuals import ResidualPlan
 from ._step import Loop
 from ._store import ROW_AXIS
@@ -82,9 +83,10 @@ def _schedulable(loop: Loop, rows: Any) -> bool:
     return loop.strategy == "auto" and isinstance(rows, int) and rows > 1
 
 
-def _outer_vmap(fn, level: Level, operands, in_axes, out_axes, finish, shared):
+def _outer_vmap(fn, level: Level, operands, in_axes, out_axes, finish, shared, prepare=None):
     """``fn`` mapped over the outermost ``level`` with ``jax.vmap`` (``in_axes``: each operand's
-    axis of that level, or None); ``finish`` turns the mapped outputs into the final ones.
+    axis of that level, or None); ``finish`` turns the mapped outputs into the final ones;
+    ``prepare``, if given, the operands before the map (on each device's shard).
 
     When that level is sharded over a mesh, the map runs once per device on its shard (a loop
     inside ``vmap`` stops when its last element does, so a map over every device's elements
@@ -93,6 +95,7 @@ def _outer_vmap(fn, level: Level, operands, in_axes, out_axes, finish, shared):
     the devices."""
 
     def run(*ops):
+        ops = ops if prepare is None else prepare(list(ops))
         # this device's share of the level (all of it on one device)
         size = next((op.shape[ax] for op, ax in zip(ops, in_axes, strict=True) if ax is not None),
                     level.size)  # fmt: skip
@@ -147,18 +150,18 @@ def forward(loop: Loop, batch: Batch, store: bool, plan: ResidualPlan | None,
     nc, ny, n_ext = len(loop.carry_avals), len(loop.y_avals), n_stored(plan)
     # Every output gains the outer axis (the stored carries after their slots) but the
     # stored-residual buffers (unfilled, shared).
-    axes = LoopOutputs([0] * nc, [0] * ny, 0, 0,
-                       Stored([ROW_AXIS] * nc, 0, [None] * n_ext) if store else None)  # fmt: skip
+    stored = Stored([ROW_AXIS] * nc, 0, 0, [None] * n_ext) if store else None
+    axes = LoopOutputs([0] * nc, [0] * ny, 0, 0, stored)
     # What the devices combine: the inner loops' stats; the unfilled buffers are alike.
-    merges = LoopOutputs([None] * nc, [None] * ny, None, _batched.merge_stats,
-                         Stored([None] * nc, None, [_same] * n_ext) if store else None)  # fmt: skip
+    combined = Stored([None] * nc, None, None, [_same] * n_ext) if store else None
+    merges = LoopOutputs([None] * nc, [None] * ny, None, _batched.merge_stats, combined)
     shared = {i: m for i, m in enumerate(merges.flat()) if m is not None}
     return _outer_vmap(inner, batch[-1], ops.flat(), _axes(batch[-1].batched), axes.flat(),
                        partial(_combine_stats, loop, store, n_ext), shared)  # fmt: skip
 
 
 def _flat_forward(carry, ys, steps, stats, res) -> list:
-    stored = None if res is None else Stored(list(res[0]), res[1], list(res[2]))
+    stored = None if res is None else Stored(list(res[0]), res[1], res[2], list(res[3]))
     return LoopOutputs(list(carry), list(ys), steps, stats, stored).flat()
 
 
@@ -195,7 +198,7 @@ def _forward_rows(loop, level, store, plan, ops: LoopOperands) -> list:
                                                                 store)  # fmt: skip
         if not store:
             return carry, ys, steps, res, _batched.stats_of(iters, S)
-        back = _BackwardPlan.of(loop, steps, res[1], consts, axes.consts, per_sample)
+        back = _BackwardPlan.of(loop, steps, res[1], res[2], consts, axes.consts, per_sample)
         work = back.work(loop, steps, res[1])
         return carry, ys, steps, res, _batched.stats_of(iters, S, work, loop.slots_stored)
 
@@ -205,7 +208,7 @@ def _forward_rows(loop, level, store, plan, ops: LoopOperands) -> list:
             _leaf_or_none(kd))  # fmt: skip
     carry, ys, steps, res, stats = per_device(
         run, (ops.consts, ops.cconsts, init, ops.xs, n, kd), in_b, (n, init),
-        (_batched.merge_stats,), out_axes=(0, 0, 0, ([ROW_AXIS] * nc, 0) if store else 0),
+        (_batched.merge_stats,), out_axes=(0, 0, 0, ([ROW_AXIS] * nc, 0, 0) if store else 0),
     )  # fmt: skip
     # A shared depth (and no predicate) leaves the steps unbatched: the backward pass then
     # runs in lockstep, unscheduled (nothing to save).
@@ -213,9 +216,9 @@ def _forward_rows(loop, level, store, plan, ops: LoopOperands) -> list:
     if store:
         # A batched forward pass stores carries only; the stored-residual buffers of a plan
         # (made for an unbatched loop) stay empty, and the backward pass recomputes.
-        buf, stride = res[0], res[1]  # (the batched kernels return no stored residuals)
+        # (the batched kernels return no stored residuals)
         ext = [] if plan is None else [_sharding.zeros((loop.max_steps,), a) for a in plan.stored]
-        res = (buf, stride, ext)
+        res = (*res, ext)
     return _flat_forward(carry, ys, steps, stats, res)
 
 
@@ -240,15 +243,29 @@ def _forward_kernel(loop: Loop, ops: LoopOperands, axes: LoopOperands, per_sampl
         return _paired(_kernels.forward(loop, ops, axes, sched, store=store), slots)
     n = ops.n.astype(jnp.int32)
     strides = _store.strides_for(n, loop.slots_stored) if store else None
+    in_order = _store_in_order()
 
     def run(S):
         if S >= rows:
             return _paired(_kernels.lockstep(loop, ops, axes, store=store), rows)
         out = _kernels.forward(loop, ops, axes, _schedule.Wrap.of(n, S), store=store,
-                               strides=strides)  # fmt: skip
+                               strides=strides, in_order=in_order)  # fmt: skip
         return _paired(out, S)
 
-    return _with_slots(n, _slots.SlotRule.for_loop(loop, rows, ops.consts, axes.consts), run)
+    rule = _slots.SlotRule.for_loop(loop, rows, ops.consts, axes.consts)
+    return _with_slots(rule, lambda: rule.choose(n), run)
+
+
+def _store_in_order() -> str | None:
+    """How a wrap-around forward pass traced now may write its store in schedule order
+    (:mod:`dyndepth._store`): ``"where it fits"`` (a check before the loop, a conditional
+    write in it), ``"when sure"`` (only where it fits by the loop's shapes: XLA's GPU runtime
+    reads a conditional's predicate on the host, a wait every iteration) or None: a loop XLA
+    partitions keeps each sample's carries in its own column
+    (:func:`dyndepth._per_device.samples_keep_columns`)."""
+    if samples_keep_columns():
+        return None
+    return "when sure" if _cost.current_platform() in ("gpu", "cuda", "rocm") else "where it fits"
 
 
 def _paired(out: tuple, slots: int) -> tuple:
@@ -256,9 +273,9 @@ def _paired(out: tuple, slots: int) -> tuple:
     return out[:4] + ((out[4], slots),)
 
 
-def _with_slots(lengths, rule: _slots.SlotRule, run):
-    """``run(S)`` with the slot count ``S`` chosen at run time among the ``rule``'s candidates
-    (one compiled branch each; none with one candidate)."""
+def _with_slots(rule: _slots.SlotRule, pick, run):
+    """``run(S)`` with the slot count ``S`` chosen at run time among the ``rule``'s candidates,
+    the one at index ``pick()`` (one compiled branch each; none with one candidate)."""
     if len(rule.candidates) == 1:
         return run(rule.candidates[0])
 
@@ -267,7 +284,7 @@ def _with_slots(lengths, rule: _slots.SlotRule, run):
             return run(c)
 
     branches = [lambda c=c: branch(c) for c in rule.candidates]
-    return _vma.switch(rule.choose(lengths), branches)
+    return _vma.switch(pick(), branches)
 
 
 def _refill_order(loop: Loop, ops: LoopOperands, axes: LoopOperands, holds) -> tuple:
@@ -329,6 +346,18 @@ def backward(loop: Loop, batch: Batch, pert: Perturbed, plan: ResidualPlan | Non
 
     level = batch[-1]
     flags = BwdOperands.split(level.batched, loop, pert, plan)
+    prepare = None
+    if flags.res.steps and flags.res.stored.in_order and jnp.ndim(ops.res.stored.in_order) == 1:
+        # The forward pass's rows (its store's one row axis), here mapped one sample at a time
+        # (cotangents batched inside them, as in jacrev): each sample's carries in its column.
+        def prepare(flat):
+            b = BwdOperands.split(flat, loop, pert, plan)
+            stored = b.res.stored
+            buf, stride = _store.to_per_sample(stored.buf, stored.stride, stored.in_order,
+                                               b.res.steps)  # fmt: skip
+            stored = Stored(buf, stride, stored.in_order * 0, stored.ext)
+            return dataclasses.replace(b, res=dataclasses.replace(b.res, stored=stored)).flat()
+
     # A const shared by this level's elements gets their cotangents summed when the level was
     # batched before differentiation.
     summed = [level.reduce and not b for b in take(flags.consts, pert.consts)]
@@ -340,7 +369,7 @@ def backward(loop: Loop, batch: Batch, pert: Perturbed, plan: ResidualPlan | Non
 
     shared = {i: _summed for i, s in enumerate(summed) if s}  # (the consts' come first)
     return _outer_vmap(inner, level, ops.flat(), _bwd_axes(level.batched, loop, pert, plan), 0,
-                       reduce, shared)  # fmt: skip
+                       reduce, shared, prepare)  # fmt: skip
 
 
 def _bwd_axes(batched: tuple, loop: Loop, pert: Perturbed, plan: ResidualPlan | None) -> list:
@@ -379,6 +408,7 @@ def _backward_rows(loop, level, pert, plan, use_ext, ops: BwdOperands) -> list:
     steps = broadcast_rows([res.steps], [res_b.steps], R)[0]
     buf = broadcast_rows(res.stored.buf, res_b.stored.buf, R, ROW_AXIS)
     stride = broadcast_rows([res.stored.stride], [True], R)[0]
+    in_order = broadcast_rows([res.stored.in_order], [res_b.stored.in_order], R)[0]
     ct_c = broadcast_rows(ops.ct_carry, flags.ct_carry, R)
     ct_y = broadcast_rows(ops.ct_ys, flags.ct_ys, R)
     c_axes = _axes(flags.consts)
@@ -386,8 +416,9 @@ def _backward_rows(loop, level, pert, plan, use_ext, ops: BwdOperands) -> list:
     # Which const cotangents have a row axis: a per-row const's, and every one kept per row.
     k_rows = [ax == 0 or per_row for ax in take(c_axes, pert.consts)]
 
-    def run(consts, xs, kd, buf, stride, steps, ct_c, ct_y):
-        bwd = BwdOperands(consts, xs, kd, Residuals(steps, Stored(buf, stride, [])), ct_c, ct_y)
+    def run(consts, xs, kd, buf, stride, in_order, steps, ct_c, ct_y):
+        stored = Stored(buf, stride, in_order, [])
+        bwd = BwdOperands(consts, xs, kd, Residuals(steps, stored), ct_c, ct_y)
         with jax.named_scope("dyndepth_backward"):
             acc, ct, ct_xs = _backward_kernel(loop, pert, bwd, c_axes, x_axes, res_b.steps,
                                               per_row)  # fmt: skip
@@ -396,9 +427,9 @@ def _backward_rows(loop, level, pert, plan, use_ext, ops: BwdOperands) -> list:
     # Under plain jit with the rows sharded over Explicit mesh axes: one loop per device; the
     # shared consts' cotangents are summed over the devices afterwards.
     nc = len(buf)
-    args = (ops.consts, xs, kd, buf, stride, steps, ct_c, ct_y)
+    args = (ops.consts, xs, kd, buf, stride, in_order, steps, ct_c, ct_y)
     in_b = (list(flags.consts), [ax == 0 for ax in x_axes], _leaf_or_none(kd), [ROW_AXIS] * nc,
-            True, True, [True] * len(ct_c), [True] * len(ct_y))  # fmt: skip
+            True, True, True, [True] * len(ct_c), [True] * len(ct_y))  # fmt: skip
     ct, ct_xs, acc_rows, acc_shared = per_device(
         run, args, in_b, (steps, ct_c), (lambda acc, across: [across.sum(a) for a in acc],)
     )
@@ -412,21 +443,32 @@ class _BackwardPlan:
     None) or, under ``"auto"`` with per-sample steps, on the wrap-around schedule in a slot
     count the ``rule`` chooses at run time. With thinning, ``fits`` says whether every sample's
     segments fit :func:`dyndepth._store.recompute_rows`; else the batch takes the two-level
-    lockstep sweep of :mod:`dyndepth._batched`."""
+    lockstep sweep of :mod:`dyndepth._batched`. A store the forward pass wrote in schedule
+    order (``in_order``, per sample its slot count) holds every carry (stride 1) where that
+    schedule ran the steps: the backward pass runs in the same slot count (the same rule on the
+    same steps chooses it; here it is taken as given)."""
 
     units: jax.Array
     rule: _slots.SlotRule | None
     fits: jax.Array | None
+    in_order: jax.Array
 
     @staticmethod
-    def of(loop: Loop, steps, stride, consts, c_axes, per_sample: bool) -> _BackwardPlan:
+    def of(loop: Loop, steps, stride, in_order, consts, c_axes, per_sample: bool) -> _BackwardPlan:
         rows = steps.shape[0]
         steps = steps.astype(jnp.int32)
         units = _store.units(steps, stride) if loop.thinning else steps
         rule = (_slots.SlotRule.for_loop(loop, rows, consts, c_axes)
                 if per_sample and _schedulable(loop, rows) else None)  # fmt: skip
         fits = jnp.all(stride <= _store.recompute_rows(loop) + 1) if loop.thinning else None
-        return _BackwardPlan(units, rule, fits)
+        return _BackwardPlan(units, rule, fits, in_order)
+
+    def pick(self) -> jax.Array:
+        """Index into the rule's candidates of the slot count the pass runs in: the forward
+        pass's where it wrote its store in schedule order, else the rule's choice."""
+        forward = jnp.max(self.in_order, initial=0)
+        ordered = jnp.stack([forward == c for c in self.rule.candidates])
+        return jnp.where(jnp.any(ordered), jnp.argmax(ordered), self.rule.choose(self.units))
 
     def work(self, loop: Loop, steps, stride) -> tuple:
         """``(iterations, executed sample-steps)`` the backward pass will run (a thinned one
@@ -435,7 +477,7 @@ class _BackwardPlan:
         if self.rule is None:
             S = jnp.asarray(rows, jnp.int32)
         else:
-            pick = self.rule.choose(self.units)
+            pick = self.pick()
             S = sum(jnp.where(pick == k, c, 0) for k, c in enumerate(self.rule.candidates))
         its = _slots.iterations(jnp.sum(self.units), jnp.max(self.units, initial=0), S)
         if self.fits is None:
@@ -456,8 +498,9 @@ def _backward_kernel(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes, x_ax
     """Run the backward pass of :class:`_BackwardPlan` over a batch of rows.
 
     A thinned store whose samples all kept every carry (stride 1: each sample's steps within
-    its slots, as under a generous ``max_steps``) runs the pass of the loop that stores every
-    carry (:func:`dyndepth._budget.within_store`): the same units, without the thinned pass's
+    its slots, as under a generous ``max_steps``, or the whole store in schedule order) runs
+    the pass of the loop that stores every carry (:func:`dyndepth._budget.every_carry`): the
+    same units, without the thinned pass's
     bookkeeping and its second read per unit (on a TPU v5e, 18% of a long tail's
     value_and_grad; ``benchmarks/README.md``, "Every carry kept under a thinned store")."""
     steps = ops.res.steps.astype(jnp.int32)
@@ -468,14 +511,20 @@ def _backward_kernel(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes, x_ax
         at_end = _lockstep_at_end(loop)
 
         def run(S):
-            sched = (_schedule.Lockstep(plan.units, reverse=True, at_end=at_end) if S >= rows
-                     else _schedule.Wrap.of(plan.units, S, reverse=True))  # fmt: skip
-            return _kernels.backward(loop, pert, ops, c_axes, x_axes, sched, per_row=per_row)[:3]
+            if S >= rows:
+                sched = _schedule.Lockstep(plan.units, reverse=True, at_end=at_end)
+                return _kernels.backward(loop, pert, ops, c_axes, x_axes, sched,
+                                         per_row=per_row)[:3]  # fmt: skip
+            # (every carry stored: the store may be in the forward schedule's order)
+            sched = _schedule.Wrap.of(plan.units, S, reverse=True)
+            return _kernels.backward(loop, pert, ops, c_axes, x_axes, sched, per_row=per_row,
+                                     in_order=not loop.thinning)[:3]  # fmt: skip
 
-        return run(rows) if plan.rule is None else _with_slots(plan.units, plan.rule, run)
+        return run(rows) if plan.rule is None else _with_slots(plan.rule, plan.pick, run)
 
     def plan_of(loop: Loop) -> _BackwardPlan:
-        return _BackwardPlan.of(loop, steps, stride, ops.consts, c_axes, per_sample)
+        return _BackwardPlan.of(loop, steps, stride, ops.res.stored.in_order, ops.consts,
+                                c_axes, per_sample)  # fmt: skip
 
     plan = plan_of(loop)
     if plan.fits is None:
@@ -487,7 +536,7 @@ def _backward_kernel(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes, x_ax
                                  ops.ct_carry, ops.ct_ys, per_row=per_row,
                                  x_axes=x_axes)  # fmt: skip
 
-    every = _budget.within_store(loop)
+    every = _budget.every_carry(loop)
     branches = [lambda: scheduled(every, plan_of(every)), lambda: scheduled(loop, plan), two_level]
     which = jnp.where(jnp.all(stride == 1), 0, jnp.where(plan.fits, 1, 2))
     return tuple(_vma.switch(which, branches))

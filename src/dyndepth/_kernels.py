@@ -73,10 +73,13 @@ def _keys(loop: Loop, kd: Any, rows: Any, i: jax.Array, slots: int) -> Any:
 
 
 def forward(loop: Loop, ops: LoopOperands, axes: LoopOperands, sched: Any, *, store: bool,
-            strides: jax.Array | None = None) -> tuple:  # fmt: skip
+            strides: jax.Array | None = None, in_order: str | None = None) -> tuple:  # fmt: skip
     """The loop over the rows of ``ops`` on the schedule ``sched``. Returns ``(carry, ys,
-    steps, res, iterations)``, ``res`` the store's ``(buf, stride)`` with ``store`` (its
-    ``strides`` set up front where the steps are known, else grown as it fills)."""
+    steps, res, iterations)``, ``res`` the store's ``(buf, stride, in_order)`` with ``store``
+    (its ``strides`` set up front where the steps are known, else grown as it fills); with
+    ``in_order`` (a wrap-around ``sched``; ``"where it fits"`` or ``"when sure"``, see
+    :func:`_writer`) the store in schedule order (:func:`dyndepth._store.put_in_order`;
+    ``in_order`` of ``res``, per sample, the slot count where it is, else 0)."""
     B = ops.n.shape[0]
     S = sched.slots
     vstep = loop.vstep(axes.consts, S)
@@ -89,6 +92,7 @@ def forward(loop: Loop, ops: LoopOperands, axes: LoopOperands, sched: Any, *, st
     )
     if store:
         state["store"] = _store.start(loop, list(ops.init), strides)
+        put, fits = _writer(loop, sched, B, in_order)
     sched = sched.masking(list(ops.init) + _per_step(state["ys"]))
 
     def body(s):
@@ -97,7 +101,7 @@ def forward(loop: Loop, ops: LoopOperands, axes: LoopOperands, sched: Any, *, st
         view = sched.view(s["sched"], t)
         carry = at_slots(s["cur"], view.b)
         if store:
-            s["store"] = _store.put(loop, s["store"], view.b, view.i, carry, view.live)
+            s["store"] = put(s["store"], t, view, carry)
         x = _xs_at(ops.xs, axes.xs, view.b, view.i, S)
         new, y = vstep(_per_slot(ops.consts, axes.consts, view.b), carry, x,
                        _keys(loop, kd, view.b, view.i, S))  # fmt: skip
@@ -108,8 +112,54 @@ def forward(loop: Loop, ops: LoopOperands, axes: LoopOperands, sched: Any, *, st
         return s
 
     out = _vma.while_loop(lambda s: sched.running(s["sched"], s["t"]), body, state)
-    res = (out["store"]["buf"], out["store"]["stride"]) if store else None
+    res = None
+    if store:
+        done = out["store"]
+        res = (done["buf"], *_in_order_strides(fits, S, done["stride"]))
     return out["cur"], out["ys"], sched.steps(out["sched"]), res, out["t"]
+
+
+def _writer(loop: Loop, sched: Any, B: int, in_order: str | None) -> tuple:
+    """``(put, fits)``: how the forward pass stores each iteration's carries, ``put(store, t,
+    view, carry)``: in schedule order (:func:`dyndepth._store.put_in_order`) where ``fits`` (a
+    scalar, or a bool where it is known when traced), else per sample
+    (:func:`dyndepth._store.put`). Only where the slots divide the rows (the ladder's counts of
+    a batch of a power of two); then a store of every carry always fits, and a thinned one,
+    with ``in_order="where it fits"``, where the schedule's iterations are few enough (checked
+    before the loop; each iteration then writes one way or the other, a conditional)."""
+
+    def per_sample(store, t, view, carry):
+        return _store.put(loop, store, view.b, view.i, carry, view.live)
+
+    def ordered(store, t, view, carry):
+        return _store.put_in_order(store, t, carry, sched.slots)
+
+    if in_order is None or B % sched.slots:
+        return per_sample, False
+    if not loop.thinning:
+        return ordered, True
+    if in_order != "where it fits":
+        return per_sample, False
+    fits = _store.fits_in_order(sched, loop.slots_stored, B)
+
+    def either(store, t, view, carry):
+        return _vma.cond(fits, lambda st: ordered(st, t, view, carry),
+                         lambda st: per_sample(st, t, view, carry), store)  # fmt: skip
+
+    return either, fits
+
+
+def _in_order_strides(fits: Any, slots: int, stride: jax.Array) -> tuple:
+    """Per sample, the store's ``(stride, in_order)`` after a forward pass whose store is in
+    schedule order in ``slots`` slots where ``fits`` (see :func:`_writer`), else per sample at
+    ``stride``. (No array constant: the kernels may run inside ``custom_partitioning``, which
+    takes none.)"""
+    zero = stride * 0
+    if fits is True:
+        return zero + 1, zero + slots
+    if fits is False:
+        return stride, zero
+    return jnp.where(fits, 1, stride), jnp.where(fits, slots, zero)
 
 
 def stop_predicate(loop: Loop, cconsts: list, cc_axes: list) -> Any:
@@ -175,13 +225,17 @@ def slot_vjp(loop: Loop, pert: Perturbed, consts, c_axes, carry, x, key, ct_c, c
 
 
 def backward(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes: list, x_axes: list,
-             sched: Any, *, per_row: bool) -> tuple:  # fmt: skip
+             sched: Any, *, per_row: bool, in_order: bool = False) -> tuple:  # fmt: skip
     """The reverse sweep over the rows on ``sched``, a reverse schedule of each sample's
     backward units (its steps, or with thinning :func:`dyndepth._store.units`; ``i`` counts
     them down). ``ops.ct_carry``/``ops.ct_ys`` hold the perturbed leaves only. Returns
     cotangents ``(consts, init, xs)`` of the perturbed leaves (a shared const's summed over
     the rows, or per row with ``per_row``; the xs' per row: a perturbed xs leaf has axis 0)
-    and the iterations run."""
+    and the iterations run.
+
+    ``in_order`` (every carry stored, ``sched`` wrap-around): where the forward pass wrote the
+    store in schedule order in as many slots, it ran the samples' steps in the positions of
+    ``sched`` (the same rule on the same steps), and the carries are read there."""
     B = ops.res.steps.shape[0]
     S = sched.slots
     kd = ops.kd
@@ -202,6 +256,7 @@ def backward(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes: list, x_axes
         R = _store.recompute_rows(loop)
         state["rec"] = [_sharding.zeros((R, B), a) for a in loop.carry_avals]
         layout = jnp.stack([ops.res.steps.astype(jnp.int32), ops.res.stored.stride])
+    ordered = jnp.any(ops.res.stored.in_order == S) if in_order else None
 
     # (the stored carries' shapes are also those of the carries' cotangents)
     sched = sched.masking([c[0] for c in buf] + _per_step(ops.ct_ys)
@@ -225,7 +280,11 @@ def backward(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes: list, x_axes
             undo = live & ~recompute
         else:  # (every carry stored: slot j)
             j, undo = view.i, live
-            carry = _idle_fill(view, _store.read_in_loop(buf, src, j, t))
+            col, k = src, j
+            if in_order:
+                k_o, col_o = _store.in_order_cells(sched, B, src, j)
+                col, k = jnp.where(ordered, col_o, src), jnp.where(ordered, k_o, j)
+            carry = _idle_fill(view, _store.read_in_loop(buf, col, k, t))
         x = _idle_fill(view, _xs_at(ops.xs, x_axes, src, j, S), x_axes)
         ct_y = _store.cells(ops.ct_ys, src, j, 1)
         consts = _idle_fill(view, _per_slot(ops.consts, c_axes, src), c_axes)

@@ -225,7 +225,10 @@ def repeat(
       at most 64 per sample whatever the budget, so that a generous ``max_depth`` costs
       neither memory nor time. ``repeat_batched``'s ``return_stats`` reports the count
       (``stored_carries``) and the backward pass's work. ``checkpoints=max_depth`` stores
-      every carry whatever the size.
+      every carry whatever the size. On the wrap-around schedule (a slot count that divides
+      the batch), the store of ``K`` carries per sample holds every carry of every sample,
+      however deep, where the schedule's iterations fit it (about: the depths' sum within
+      ``K x B``): it is written in the schedule's order.
 
     - ``slots``: under ``vmap`` with per-sample depths, ``"auto"`` runs the batch through the
       per-sample scheduler (see :func:`repeat_batched`). ``None`` chooses at run time, by a
@@ -590,8 +593,9 @@ def repeat_batched(
       ``useful_sample_steps`` (``sum(depths)``), the backward pass's ``backward_iterations``
       and ``backward_executed_sample_steps`` (rows it ran the step's vjp or a recompute on:
       ``sum(depths)`` plus the recompute of thinned checkpoints, about ``2 x sum(depths)``
-      at most, scheduling waste aside) and ``stored_carries`` (carries stored per sample for
-      it: ``max_depth``, or fewer, see ``checkpoints`` in :func:`repeat`), the three zero
+      at most, scheduling waste aside) and ``stored_carries`` (the store's room for it, in
+      carries per sample: ``max_depth``, or fewer, see ``checkpoints`` in :func:`repeat`; in
+      schedule order every carry where the schedule fits it), the three zero
       outside differentiation (read them from a ``value_and_grad`` with ``has_aux``), and
       ``per_device_executed_sample_steps`` /
       ``per_device_useful_sample_steps`` (shape ``(1,)``: this device's figures, so that a

@@ -90,19 +90,22 @@ class LoopOperands:
 @dataclasses.dataclass(frozen=True)
 class Stored:
     """What a forward pass bound with ``store`` keeps for the backward pass: the carry's
-    checkpoints ``buf`` (one buffer per carry leaf), their ``stride`` and the stored-residual
-    buffers ``ext`` of a residual plan."""
+    checkpoints ``buf`` (one buffer per carry leaf), their ``stride``, per sample the slot count
+    of a forward pass that wrote them in schedule order (``in_order``, 0 where they are kept per
+    sample: :mod:`dyndepth._store`) and the stored-residual buffers ``ext`` of a residual
+    plan."""
 
     buf: list
     stride: Any
+    in_order: Any
     ext: list
 
     @staticmethod
     def read(cut: _Cursor, loop: Loop, n_ext: int) -> Stored:
-        return Stored(cut.group(len(loop.carry_avals)), cut.one(), cut.group(n_ext))
+        return Stored(cut.group(len(loop.carry_avals)), cut.one(), cut.one(), cut.group(n_ext))
 
     def flat(self) -> list:
-        return [*self.buf, self.stride, *self.ext]
+        return [*self.buf, self.stride, self.in_order, *self.ext]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,6 +43,8 @@ from . import _compat, _sharding
 
 # Set while a kernel is traced for a lowering over several devices (see partitioning).
 _PARTITIONING = contextvars.ContextVar("dyndepth_partitioning", default=False)
+# Set while a kernel is traced as XLA's partition of a loop (see samples_keep_columns).
+_XLA_SPLIT = contextvars.ContextVar("dyndepth_xla_split", default=False)
 _LOWERING_DEPTH = contextvars.ContextVar("dyndepth_lowering_depth", default=0)
 
 
@@ -63,6 +65,15 @@ def nested_lowering() -> Iterator[None]:
         yield
     finally:
         _LOWERING_DEPTH.reset(token)
+
+
+def samples_keep_columns() -> bool:
+    """Whether a kernel traced now must keep each sample's stored carries in the sample's own
+    column of the store (:mod:`dyndepth._store`), not in schedule order: inside a loop that
+    XLA partitions (``Auto`` axes, :func:`_partitioned`), whose forward and backward passes XLA
+    splits each on its own and may reshard the store between them, moving its columns with the
+    rows. (Under ``Explicit`` axes the types fix both passes' split alike.)"""
+    return _XLA_SPLIT.get()
 
 
 def lowering_for_devices(ctx: mlir.LoweringRuleContext) -> bool:
@@ -260,7 +271,11 @@ def _partitioned(fn, args, in_batched, merges, out_axes) -> tuple:
 
     def flat(across):
         def run(*ls):
-            out = _merged(fn(*jax.tree_util.tree_unflatten(in_tree, ls)), merges, across)
+            token = _XLA_SPLIT.set(True)
+            try:
+                out = _merged(fn(*jax.tree_util.tree_unflatten(in_tree, ls)), merges, across)
+            finally:
+                _XLA_SPLIT.reset(token)
             return tuple(jax.tree_util.tree_leaves(out))
 
         return run

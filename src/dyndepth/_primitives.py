@@ -297,7 +297,7 @@ def _loop_batch(args, dims, *, loop, batch, store, plan, pert):
     # Everything gains the new axis (the stored carries after their slots) but a shared step
     # count, the statistics (summed over the rows) and the stored-residual buffers (unfilled
     # under a batch).
-    stored = Stored([ROW_AXIS] * nc, 0, [None] * n_stored(plan)) if store else None
+    stored = Stored([ROW_AXIS] * nc, 0, 0, [None] * n_stored(plan)) if store else None
     out_dims = LoopOutputs([0] * nc, [0] * ny, 0 if steps_b else None, None, stored)
     return outs, out_dims.flat()
 
@@ -399,7 +399,11 @@ def _lin_flags(loop: Loop, pert: Perturbed, plan, keep: bool, loop_flags, steps_
     are batched like the forward pass's outputs (the stored-residual buffers never)."""
     f = LoopOperands.split(loop_flags, loop)
     nc = len(loop.carry_avals)
-    res = Residuals(steps_b, Stored([True] * nc, True, [False] * n_stored(plan))) if keep else None
+    res = (
+        Residuals(steps_b, Stored([True] * nc, True, True, [False] * n_stored(plan)))
+        if keep
+        else None
+    )
     lin = LinOperands(f, res, take(f.consts, pert.consts), take(f.init, pert.carry),
                       take(f.xs, pert.xs))  # fmt: skip
     return tuple(lin.flat())

@@ -171,12 +171,8 @@ class Wrap:
         B = lengths.shape[0]
         S = max(1, min(slots, B))
         length = lengths.astype(jnp.int32)
-        total, longest = jnp.sum(length), jnp.max(length, initial=0)
-        C = iterations(total, longest, S)
-        start = jnp.cumsum(length) - length
+        C, start, head = wrap_runs(length, S)
         end = start + length
-        cut = (start // jnp.maximum(C, 1) + 1) * C
-        head = jnp.where(end > cut, cut - start, length)
         # The next sample with steps; past the last one, the last one (an idle slot then reads
         # the inputs of a step that sample took).
         has = jnp.where(length > 0, jnp.arange(B, dtype=jnp.int32), B)
@@ -187,7 +183,7 @@ class Wrap:
         # before it (a comparison of S x B, once: cheaper to trace and run than a search).
         first = jnp.sum(end[None, :] <= (jnp.arange(S) * C)[:, None], axis=1, dtype=jnp.int32)
         table = jnp.stack([start, length, head, after.astype(jnp.int32)])
-        return Wrap(S, C, total, table, jnp.where(first >= B, last, first), reverse)
+        return Wrap(S, C, jnp.sum(length), table, jnp.where(first >= B, last, first), reverse)
 
     def masking(self, leaves: list):
         return self
@@ -216,6 +212,33 @@ class Wrap:
 
     def steps(self, state: dict) -> jax.Array:
         return self.table[_LENGTH]
+
+    def position(self, b: jax.Array, i: jax.Array) -> tuple:
+        """``(t, s)``: the iteration and the slot at which this (forward) schedule runs step
+        ``i`` of sample ``b`` (``i`` within its steps), per element."""
+        start, length, head, _ = self.table.at[:, b].get(**IN_BOUNDS)
+        return wrap_position(start, length, head, self.iterations, i)
+
+
+def wrap_runs(length: jax.Array, slots: Any) -> tuple:
+    """``(C, start, head)`` of the wrap-around schedule of ``length`` steps per sample in
+    ``slots`` slots (a count, or an array: the slot count a forward pass ran in): its
+    iterations, and per sample where its run of positions starts and how many of them its first
+    slot holds (its last steps; all of them unless it is cut)."""
+    C = iterations(jnp.sum(length), jnp.max(length, initial=0), slots)
+    start = jnp.cumsum(length) - length
+    cut = (start // jnp.maximum(C, 1) + 1) * C
+    return C, start, jnp.where(start + length > cut, cut - start, length)
+
+
+def wrap_position(start, length, head, C, i) -> tuple:
+    """``(t, s)``: the iteration and slot of step ``i`` of a sample of ``length`` steps whose run
+    starts at ``start`` with ``head`` positions in its first slot (:func:`wrap_runs`), on a
+    wrap-around schedule of ``C`` iterations."""
+    # (a cut sample's first steps follow its run's first ``head`` positions: its last steps)
+    g = start + jnp.where(i < length - head, i + head, i + head - length)
+    C = jnp.maximum(C, 1)
+    return g % C, g // C
 
 
 # ----------------------------------------------------------------------------- stop predicates

@@ -176,7 +176,7 @@ def _kernel_point(loop, pert, plan, mask, levels, *ops) -> list:
 
     def bwd_flags(f, steps_b):  # (the recomputed residuals are batched as a forward pass's)
         b = f.point.bwd
-        res = Residuals(steps_b, Stored([True] * nc, True, [False] * n_ext))
+        res = Residuals(steps_b, Stored([True] * nc, True, True, [False] * n_ext))
         return tuple(BwdOperands(b.consts, b.xs, b.kd, res, b.ct_carry, b.ct_ys).flat())
 
     bwd_levels = tuple(Level(lv.size, bwd_flags(f, sb), lv.reduce) for lv, f, sb in

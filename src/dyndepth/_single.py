@@ -22,9 +22,10 @@ from ._store import ROW_AXIS
 
 def forward(loop: Loop, consts, cconsts, init, xs, n, kd, *, store: bool,
             pert: Perturbed | None = None, plan: ResidualPlan | None = None):  # fmt: skip
-    """Returns ``(carry, ys, steps, res, stats)``, ``res = (buf, stride, ext)`` with ``store``:
-    ``buf[j]`` the carry before step ``j * stride`` and ``ext`` the stored residuals of
-    ``plan`` (for the perturbed leaves ``pert``), else None."""
+    """Returns ``(carry, ys, steps, res, stats)``, ``res = (buf, stride, in_order, ext)`` with
+    ``store``: ``buf[j]`` the carry before step ``j * stride`` (``in_order`` 0: never in
+    schedule order) and ``ext`` the stored residuals of ``plan`` (for the perturbed leaves
+    ``pert``), else None."""
     if loop.thinning:
         one = LoopOperands(list(consts), list(cconsts), expand(init), list(xs), n[None],
                            None if kd is None else kd[None])  # fmt: skip
@@ -35,7 +36,7 @@ def forward(loop: Loop, consts, cconsts, init, xs, n, kd, *, store: bool,
             return squeeze(carry), squeeze(ys), steps[0], res, _batched.stats_of(iters, 1)
         back = _batched.backward_iterations(loop, steps, res[1])
         stats = _batched.stats_of(iters, 1, (back, back), loop.slots_stored)
-        res = (squeeze(res[0], ROW_AXIS), res[1][0], _no_ext(loop, plan))
+        res = (squeeze(res[0], ROW_AXIS), res[1][0], res[2][0], _no_ext(loop, plan))
         return squeeze(carry), squeeze(ys), steps[0], res, stats
     T = loop.max_steps
 
@@ -72,7 +73,11 @@ def forward(loop: Loop, consts, cconsts, init, xs, n, kd, *, store: bool,
         return s
 
     out = _vma.while_loop(lambda s: s["act"], body, state)
-    res = (out["buf"], jnp.ones((), jnp.int32), out["ext"]) if store else None
+    res = (
+        (out["buf"], jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32), out["ext"])
+        if store
+        else None
+    )
     back = (out["i"], out["i"]) if store else (0, 0)
     stats = _batched.stats_of(out["i"], 1, back, T if store else 0)
     return out["carry"], out["ys"], out["i"], res, stats

@@ -13,6 +13,20 @@ sample whose ``K`` slots fill up keeps every other carry at twice the stride, wh
 same layout. Slot 0 always holds the initial carry, so that a backward pass never evaluates the
 step at an unwritten slot.
 
+A forward pass on the wrap-around schedule (:class:`dyndepth._schedule.Wrap`, ``S`` slots of
+``B`` rows, ``S`` dividing ``B``) writes its store in *schedule order* where the schedule's
+``C`` iterations fit it (``C <= K x B / S``: every carry of every sample then fits, however
+deep the sample, in the space of ``K`` carries per sample; checked before the loop where the
+store thins, :func:`dyndepth._kernels.forward`): iteration ``t``'s ``S`` slots' carries are one
+contiguous block, columns ``(t % q) x S ...`` of slot ``t // q`` (``q = B / S``). A
+row-per-slot scatter into a large buffer costs a TPU about 150 ns a row, the block a tenth of
+it (``benchmarks/README.md``, "What a TPU scatter costs against the buffer's size"). The
+backward pass finds sample ``b``'s carry before step ``i`` through the forward schedule
+(:func:`in_order_cells`): the residual ``in_order`` (per sample the forward pass's slot count,
+0 for a store kept per sample) says which layout it reads, and the backward pass runs in that
+slot count (:class:`dyndepth._dispatch._BackwardPlan`). A map over the samples, which splits
+the store by its columns, first gathers it into the per-sample layout (:func:`to_per_sample`).
+
 A thinned store's backward pass recomputes one segment (``stride`` steps) at a time per sample
 into a buffer of :func:`recompute_rows` carries per sample, slot-major like the store
 (:func:`backward_unit`); a sample whose stride exceeds it (deeper than about ``K ** 2 / 2``
@@ -26,7 +40,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _sharding, _vma
+from . import _schedule, _sharding, _vma
 from ._leaves import DROP, IN_BOUNDS, index_in, put_index, update_in
 from ._schedule import at_slots
 from ._step import Loop
@@ -117,6 +131,62 @@ def put(loop: Loop, store: dict, b: Any, i: jax.Array, carry: list, live: jax.Ar
         B = store["count"].shape[0]
         out["count"] = store["count"].at[jnp.where(want, _rows_of(b, want), B)].add(1, **DROP)
     return out
+
+
+def fits_in_order(sched: Any, K: int, B: int) -> jax.Array:
+    """Whether the wrap-around schedule ``sched``'s iterations fit a store of ``K`` slots of
+    ``B`` rows in schedule order."""
+    return sched.iterations <= K * (B // sched.slots)
+
+
+def put_in_order(store: dict, t: jax.Array, carry: list, slots: int) -> dict:
+    """Iteration ``t``'s slots' ``carry`` (the carries before their steps) as one block of the
+    store in schedule order (a dynamic update slice, no scatter); the slots past the
+    schedule's positions write cells no backward pass reads."""
+    q = store["buf"][0].shape[ROW_AXIS] // slots
+    at = (t // q, (t % q) * slots)
+
+    def put(x, v):
+        return jax.lax.dynamic_update_slice(x, v[None], at + (0,) * (v.ndim - 1))
+
+    return dict(store, buf=[put(x, v) for x, v in zip(store["buf"], carry, strict=True)])
+
+
+def in_order_cells(sched: Any, B: int, b: jax.Array, i: jax.Array) -> tuple:
+    """``(k, column)`` of sample ``b``'s carry before step ``i`` in a store of ``B`` rows the
+    forward schedule ``sched`` wrote in schedule order (see :func:`put_in_order`)."""
+    q = B // sched.slots
+    t, s = sched.position(b, i)
+    return t // q, (t % q) * sched.slots + s
+
+
+def to_per_sample(buf: list, stride: jax.Array, in_order: jax.Array, steps: jax.Array) -> tuple:
+    """``(buf, stride)`` of a store (slot-major, one row axis) laid out per sample, as a forward
+    pass that stored per sample would have left it; a store in schedule order (``in_order``,
+    per sample the slot count it was written in) is gathered into that layout: slot ``k`` of
+    sample ``b`` the carry before step ``k x stride[b]`` (:func:`strides_for`), its last step's
+    where that is past its steps. A map over the samples splits the store by its columns, where
+    only the per-sample layout keeps a sample's carries (``jacrev``: the cotangents batched
+    inside the forward pass's batch). A sample without steps gets the first carry of one with
+    steps: a point of a trajectory, where a backward pass may evaluate the step."""
+    K, B = buf[0].shape[0], steps.shape[0]
+    steps = steps.astype(jnp.int32)
+    slots = jnp.max(in_order, initial=0)
+    has = steps > 0
+
+    def gathered(args):
+        buf, stride = args
+        per = strides_for(steps, K)
+        b = jnp.where(has, jnp.arange(B), jnp.argmax(steps))[None, :]
+        i = jnp.where(has, jnp.minimum(jnp.arange(K)[:, None] * per, steps - 1), 0)
+        C, start, head = _schedule.wrap_runs(steps, slots)
+        t, s = _schedule.wrap_position(start[b], steps[b], head[b], C, i)
+        q = B // slots
+        k, col = t // q, (t % q) * slots + s
+        return [x.at[k, col].get(**IN_BOUNDS) for x in buf], per
+
+    # (one store in schedule order per device, or none: a conditional, not a select of both)
+    return _vma.cond((slots > 0) & jnp.any(has), gathered, lambda args: args, (buf, stride))
 
 
 def read(store_buf: list, b: Any, k: jax.Array) -> list:

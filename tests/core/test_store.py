@@ -102,6 +102,61 @@ def test_cells_read_and_write_each_layout_as_plain_python(rows, steps, slots, ax
     np.testing.assert_array_equal(out, expected)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 12), min_size=1, max_size=10),
+    slots=st.integers(1, 10),
+    K=st.integers(1, 12),
+)
+def test_a_store_in_schedule_order_holds_every_carry_where_it_fits(lengths, slots, K):
+    """The wrap-around forward pass's store in schedule order: run the schedule in plain
+    Python, each iteration writing its slots' ``(sample, step)`` as one block
+    (``_store.put_in_order``); where the schedule fits (``_store.fits_in_order``, against the
+    plain capacity ``C <= K x (B // S)``), every sample's every step is found where
+    ``_store.in_order_cells`` says, and ``Wrap.position`` is the iteration and slot that ran
+    it. Gathered into the per-sample layout (``_store.to_per_sample``), slot ``k`` of sample
+    ``b`` holds step ``min(k x stride, steps - 1)``'s carry (the first of a sample with steps,
+    for one without)."""
+    from dyndepth._schedule import Wrap
+
+    B = len(lengths)
+    sched = Wrap.of(jnp.asarray(lengths, jnp.int32), slots)
+    S, C = sched.slots, int(sched.iterations)
+    fits = C <= K * (B // S)
+    assert bool(_store.fits_in_order(sched, K, B)) == fits
+    store = {"buf": [jnp.full((K, B), -1, jnp.int32)]}
+    state, ran = sched.start([]), {}
+    for t in range(C):
+        view = sched.view(state, jnp.asarray(t, jnp.int32))
+        tag = view.b * 100 + view.i
+        if fits:
+            store = _store.put_in_order(store, jnp.asarray(t, jnp.int32), [tag], S)
+        for s in range(S):
+            if bool(view.live[s]):
+                ran[int(view.b[s]), int(view.i[s])] = (t, s)
+        state = sched.advance(state, view, [])
+    assert sorted(ran) == [(b, i) for b, n in enumerate(lengths) for i in range(n)]
+    if not ran:
+        return
+    b, i = (jnp.asarray(v, jnp.int32) for v in zip(*ran, strict=True))
+    where = list(zip(*(np.asarray(v).tolist() for v in sched.position(b, i)), strict=True))
+    assert where == list(ran.values())
+    if not fits:
+        return
+    k, col = _store.in_order_cells(sched, B, b, i)
+    got = np.asarray(store["buf"][0])[np.asarray(k), np.asarray(col)]
+    np.testing.assert_array_equal(got, np.asarray(b * 100 + i))
+    steps = jnp.asarray(lengths, jnp.int32)
+    ones, written = jnp.ones((B,), jnp.int32), jnp.full((B,), S, jnp.int32)
+    (per,), stride = _store.to_per_sample(store["buf"], ones, written, steps)
+    deepest = int(np.argmax(lengths))
+    for b, n in enumerate(lengths):
+        assert int(stride[b]) == int(_store.strides_for(jnp.array([n]), K)[0])
+        for k in range(K):
+            want = deepest * 100 if n == 0 else b * 100 + min(k * int(stride[b]), n - 1)
+            assert int(per[k, b]) == want, (b, k)
+
+
 SPECIAL = [0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-40, -1e-40, 1.5, -2.25]
 
 

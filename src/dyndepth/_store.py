@@ -144,10 +144,16 @@ def put_in_order(store: dict, t: jax.Array, carry: list, slots: int) -> dict:
     store in schedule order (a dynamic update slice, no scatter); the slots past the
     schedule's positions write cells no backward pass reads."""
     q = store["buf"][0].shape[ROW_AXIS] // slots
-    at = (t // q, (t % q) * slots)
+    # (t >= 0, indices in range: on a TPU each scalar operation is a kernel of its own every
+    # iteration, and a signed division or a negative index's wrap takes three)
+    if q & (q - 1) == 0:  # a power of two: a shift and a mask
+        at = (jax.lax.shift_right_logical(t, q.bit_length() - 1), (t & (q - 1)) * slots)
+    else:
+        at = (jax.lax.div(t, q), jax.lax.rem(t, q) * slots)
 
     def put(x, v):
-        return jax.lax.dynamic_update_slice(x, v[None], at + (0,) * (v.ndim - 1))
+        start = at + (0,) * (v.ndim - 1)
+        return jax.lax.dynamic_update_slice(x, v[None], start, allow_negative_indices=False)
 
     return dict(store, buf=[put(x, v) for x, v in zip(store["buf"], carry, strict=True)])
 

@@ -39,7 +39,7 @@ X = jax.random.normal(jax.random.PRNGKey(2), (G * B, DIM))
 DEPTHS = jnp.array([2, 0, MAX, 1, 3, MAX], jnp.int32)
 # Depths within 2 stored carries (a configuration's third entry "within"): with
 # ``checkpoints=2`` every sample keeps every carry, and a batch's backward pass is that of a
-# loop storing every carry (``dyndepth._budget.within_store``) where the depths above thin.
+# loop storing every carry (``dyndepth._budget.every_carry``) where the depths above thin.
 WITHIN = jnp.array([2, 0, 1, 2, 1, 0], jnp.int32)
 KEYS = jax.random.split(jax.random.PRNGKey(3), G * B)
 HEADS = jax.random.normal(jax.random.PRNGKey(4), (H, DIM))

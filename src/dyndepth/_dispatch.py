@@ -500,9 +500,9 @@ def _backward_kernel(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes, x_ax
     A thinned store whose samples all kept every carry (stride 1: each sample's steps within
     its slots, as under a generous ``max_steps``, or the whole store in schedule order) runs
     the pass of the loop that stores every carry (:func:`dyndepth._budget.every_carry`): the
-    same units, without the thinned pass's
-    bookkeeping and its second read per unit (on a TPU v5e, 18% of a long tail's
-    value_and_grad; ``benchmarks/README.md``, "Every carry kept under a thinned store")."""
+    same units, without the thinned pass's bookkeeping and its second read per unit (on a TPU
+    v5e, 18% of a long tail's value_and_grad; ``benchmarks/README.md``, "Every carry kept
+    under a thinned store")."""
     steps = ops.res.steps.astype(jnp.int32)
     stride = ops.res.stored.stride
 

@@ -349,7 +349,8 @@ def backward(loop: Loop, batch: Batch, pert: Perturbed, plan: ResidualPlan | Non
     prepare = None
     if flags.res.steps and flags.res.stored.in_order and jnp.ndim(ops.res.stored.in_order) == 1:
         # The forward pass's rows (its store's one row axis), here mapped one sample at a time
-        # (cotangents batched inside them, as in jacrev): each sample's carries in its column.
+        # (cotangents batched inside them, as in vmap(jacrev)): each sample's carries in its
+        # column.
         def prepare(flat):
             b = BwdOperands.split(flat, loop, pert, plan)
             stored = b.res.stored

@@ -143,13 +143,7 @@ def put_in_order(store: dict, t: jax.Array, carry: list, slots: int) -> dict:
     """Iteration ``t``'s slots' ``carry`` (the carries before their steps) as one block of the
     store in schedule order (a dynamic update slice, no scatter); the slots past the
     schedule's positions write cells no backward pass reads."""
-    q = store["buf"][0].shape[ROW_AXIS] // slots
-    # (t >= 0, indices in range: on a TPU each scalar operation is a kernel of its own every
-    # iteration, and a signed division or a negative index's wrap takes three)
-    if q & (q - 1) == 0:  # a power of two: a shift and a mask
-        at = (jax.lax.shift_right_logical(t, q.bit_length() - 1), (t & (q - 1)) * slots)
-    else:
-        at = (jax.lax.div(t, q), jax.lax.rem(t, q) * slots)
+    at = _block_at(t, slots, store["buf"][0].shape[ROW_AXIS])
 
     def put(x, v):
         start = at + (0,) * (v.ndim - 1)
@@ -158,12 +152,23 @@ def put_in_order(store: dict, t: jax.Array, carry: list, slots: int) -> dict:
     return dict(store, buf=[put(x, v) for x, v in zip(store["buf"], carry, strict=True)])
 
 
+def _block_at(t: jax.Array, slots: Any, B: int) -> tuple:
+    """``(k, first column)`` of iteration ``t``'s block (``t >= 0``) in a store of ``B`` rows
+    written in schedule order in ``slots`` slots (a count, or the array of a forward pass's)."""
+    q = B // slots
+    # (on a TPU each scalar operation is a kernel of its own every iteration, and a signed
+    # division takes three: a shift and a mask where the count allows, else the unsigned forms)
+    if isinstance(q, int) and q & (q - 1) == 0:
+        return jax.lax.shift_right_logical(t, q.bit_length() - 1), (t & (q - 1)) * slots
+    return jax.lax.div(t, q), jax.lax.rem(t, q) * slots
+
+
 def in_order_cells(sched: Any, B: int, b: jax.Array, i: jax.Array) -> tuple:
     """``(k, column)`` of sample ``b``'s carry before step ``i`` in a store of ``B`` rows the
     forward schedule ``sched`` wrote in schedule order (see :func:`put_in_order`)."""
-    q = B // sched.slots
     t, s = sched.position(b, i)
-    return t // q, (t % q) * sched.slots + s
+    k, first = _block_at(t, sched.slots, B)
+    return k, first + s
 
 
 def to_per_sample(buf: list, stride: jax.Array, in_order: jax.Array, steps: jax.Array) -> tuple:
@@ -172,9 +177,9 @@ def to_per_sample(buf: list, stride: jax.Array, in_order: jax.Array, steps: jax.
     per sample the slot count it was written in) is gathered into that layout: slot ``k`` of
     sample ``b`` the carry before step ``k x stride[b]`` (:func:`strides_for`), its last step's
     where that is past its steps. A map over the samples splits the store by its columns, where
-    only the per-sample layout keeps a sample's carries (``jacrev``: the cotangents batched
-    inside the forward pass's batch). A sample without steps gets the first carry of one with
-    steps: a point of a trajectory, where a backward pass may evaluate the step."""
+    only the per-sample layout keeps a sample's carries (``vmap(jacrev(f))``: the cotangents
+    batched inside the forward pass's batch). A sample without steps gets the first carry of
+    one with steps: a point of a trajectory, where a backward pass may evaluate the step."""
     K, B = buf[0].shape[0], steps.shape[0]
     steps = steps.astype(jnp.int32)
     slots = jnp.max(in_order, initial=0)
@@ -187,9 +192,8 @@ def to_per_sample(buf: list, stride: jax.Array, in_order: jax.Array, steps: jax.
         i = jnp.where(has, jnp.minimum(jnp.arange(K)[:, None] * per, steps - 1), 0)
         C, start, head = _schedule.wrap_runs(steps, slots)
         t, s = _schedule.wrap_position(start[b], steps[b], head[b], C, i)
-        q = B // slots
-        k, col = t // q, (t % q) * slots + s
-        return [x.at[k, col].get(**IN_BOUNDS) for x in buf], per
+        k, first = _block_at(t, slots, B)
+        return [x.at[k, first + s].get(**IN_BOUNDS) for x in buf], per
 
     # (one store in schedule order per device, or none: a conditional, not a select of both)
     return _vma.cond((slots > 0) & jnp.any(has), gathered, lambda args: args, (buf, stride))

@@ -254,7 +254,7 @@ def backward(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes: list, x_axes
     # steps and stride, read with one gather per iteration.
     if loop.thinning:
         R = _store.recompute_rows(loop)
-        state["rec"] = [_sharding.zeros((R, B), a) for a in loop.carry_avals]
+        state["rec"] = [_sharding.blank((R, B), a) for a in loop.carry_avals]
         layout = jnp.stack([ops.res.steps.astype(jnp.int32), ops.res.stored.stride])
     ordered = jnp.any(ops.res.stored.in_order == S) if in_order else None
 

@@ -142,6 +142,17 @@ def zeros(lead: tuple[int, ...], aval: Any) -> Any:
     return jax.numpy.zeros(shape, aval.dtype)
 
 
+def blank(lead: tuple[int, ...], aval: Any) -> Any:
+    """A buffer typed as :func:`zeros` makes it whose values are left unset where the backend
+    allows (``lax.empty``: a TPU or GPU allocates it without a pass over its memory; a CPU
+    fills it with zeros), for a buffer whose cells are all written before they are read, or
+    read only into a select that discards them (the stored carries, :mod:`dyndepth._store`).
+    On a TPU v5e the zeros of a long tail's store of every carry (4 GiB) took 3.1 ms of a 44
+    ms value_and_grad (``benchmarks/README.md``)."""
+    shape = tuple(lead) + tuple(aval.shape)
+    return jax.lax.empty(shape, aval.dtype, out_sharding=_lead_sharding(lead, aval))
+
+
 def typed_like(x: Any, ref: Any) -> Any:
     """``x`` resharded like ``ref`` when ``ref``'s type carries a sharding on a mesh that ``x``'s
     does not match (outside ``shard_map``); ``x`` otherwise."""

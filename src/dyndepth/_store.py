@@ -104,7 +104,7 @@ def start(loop: Loop, init: list, strides: jax.Array | None) -> dict:
     """The store before the first step: ``init`` in slot 0; ``strides`` given (known steps) or
     growing as the slots fill (``None``)."""
     B = strides.shape[0] if strides is not None else init[0].shape[0]
-    buf = [update_in(_sharding.zeros((loop.slots_stored, B), a), c, 0, 0)
+    buf = [update_in(_sharding.blank((loop.slots_stored, B), a), c, 0, 0)
            for a, c in zip(loop.carry_avals, init, strict=True)]  # fmt: skip
     if strides is not None:
         return {"buf": buf, "stride": strides}

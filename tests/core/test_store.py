@@ -247,6 +247,68 @@ def test_backward_stats_count_the_iterations_run(checkpoints, slots, seed):
     assert int(stats["stored_carries"]) == K
 
 
+def _poisoned_blank(lead, aval):
+    """A stand-in for ``_sharding.blank`` whose cells hold what no loop may use: NaN (the
+    largest integer, ``True``)."""
+    shape = tuple(lead) + tuple(aval.shape)
+    if jnp.issubdtype(aval.dtype, jnp.inexact):
+        return jnp.full(shape, jnp.nan, aval.dtype)
+    if jnp.issubdtype(aval.dtype, jnp.integer):
+        return jnp.full(shape, jnp.iinfo(aval.dtype).max, aval.dtype)
+    return jnp.ones(shape, aval.dtype)
+
+
+@pytest.mark.parametrize("slots", [None, 1, 3, 8])
+@pytest.mark.parametrize("checkpoints", [None, 1, 2, 5])
+@pytest.mark.parametrize("loop", ["repeat", "while_loop"])
+def test_cells_the_store_leaves_unset_are_never_used(monkeypatch, loop, checkpoints, slots):
+    """The stored carries' buffers are left unset where the backend allows
+    (``_sharding.blank``: ``lax.empty``, which a CPU fills with zeros). Filled with NaN here
+    instead, every kernel's value and gradients (lockstep ``slots=8``, wrap-around in a count
+    that divides the batch or not, the time rule; every carry stored or thinned, the thinned
+    backward pass's segments and the two-level sweep; a stop predicate's store that grows its
+    strides) are still those of a plain Python loop: no unset cell is read, but into a select
+    that discards it."""
+    from dyndepth import _sharding
+
+    monkeypatch.setattr(_sharding, "blank", _poisoned_blank)
+    kw, kx = jax.random.split(jax.random.PRNGKey(7))
+    W = jax.random.normal(kw, (3, 3)) / 3
+    xs = jax.random.normal(kx, (8, 3))
+    depths = jnp.array([0, 3, 12, 1, 0, 7, 16, 2])
+
+    def step(W, c):
+        return c + 0.5 * jnp.tanh(c @ W)
+
+    def holds(c, d):
+        return c[0] + 0.2 * d.astype(c.dtype) < 3.0
+
+    def looped(W, x, d):
+        if loop == "repeat":
+            return dd.repeat(lambda c: step(W, c), x, d, max_depth=16, checkpoints=checkpoints,
+                             slots=slots)  # fmt: skip
+        return dd.while_loop(lambda c: holds(c, d), lambda c: step(W, c), x, max_steps=16,
+                             checkpoints=checkpoints, slots=slots)  # fmt: skip
+
+    def plain(W, x, d):  # (one sample, its values concrete)
+        c = x
+        for i in range(16):
+            if i >= int(d) if loop == "repeat" else not bool(holds(c, d)):
+                break
+            c = step(W, c)
+        return jnp.sum(c**2)
+
+    def loss(W, xs):
+        return jnp.sum(jax.vmap(lambda x, d: looped(W, x, d))(xs, depths) ** 2)
+
+    value, (g_W, g_xs) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(W, xs)
+    grad = jax.value_and_grad(plain, argnums=(0, 1))
+    want = [grad(W, x, d) for x, d in zip(xs, depths, strict=True)]
+    np.testing.assert_allclose(value, sum(v for v, _ in want), rtol=2e-5)
+    np.testing.assert_allclose(g_W, sum(g[0] for _, g in want), rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(g_xs, jnp.stack([g[1] for _, g in want]), rtol=2e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("checkpoints", [None, 2])
 @pytest.mark.parametrize("loop", ["repeat", "while_loop"])
 def test_reverse_mode_over_no_samples(loop, checkpoints):

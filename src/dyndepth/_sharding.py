@@ -147,8 +147,8 @@ def blank(lead: tuple[int, ...], aval: Any) -> Any:
     allows (``lax.empty``: a TPU or GPU allocates it without a pass over its memory; a CPU
     fills it with zeros), for a buffer whose cells are all written before they are read, or
     read only into a select that discards them (the stored carries, :mod:`dyndepth._store`).
-    On a TPU v5e the zeros of a long tail's store of every carry (4 GiB) took 3.1 ms of a 44
-    ms value_and_grad (``benchmarks/README.md``)."""
+    On a TPU v5e the zeros of a long tail's store took 3.1 ms of a 46 ms value_and_grad
+    (``benchmarks/README.md``, "Where the long tail's time goes now")."""
     shape = tuple(lead) + tuple(aval.shape)
     return jax.lax.empty(shape, aval.dtype, out_sharding=_lead_sharding(lead, aval))
 

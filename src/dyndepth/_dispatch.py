@@ -217,7 +217,7 @@ def _forward_rows(loop, level, store, plan, ops: LoopOperands) -> list:
         # A batched forward pass stores carries only; the stored-residual buffers of a plan
         # (made for an unbatched loop) stay empty, and the backward pass recomputes.
         # (the batched kernels return no stored residuals)
-        ext = [] if plan is None else [_sharding.zeros((loop.max_steps,), a) for a in plan.stored]
+        ext = [] if plan is None else [_sharding.blank((loop.max_steps,), a) for a in plan.stored]
         res = (*res, ext)
     return _flat_forward(carry, ys, steps, stats, res)
 

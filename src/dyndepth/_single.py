@@ -50,7 +50,7 @@ def forward(loop: Loop, consts, cconsts, init, xs, n, kd, *, store: bool,
     state = dict(i=i0, act=active(i0, init), carry=list(init),
                  ys=[_sharding.zeros((T,), a) for a in loop.y_avals])  # fmt: skip
     if store:
-        state["buf"] = [_sharding.zeros((T,), a) for a in loop.carry_avals]
+        state["buf"] = [_sharding.blank((T,), a) for a in loop.carry_avals]
         state["ext"] = _no_ext(loop, plan)
 
     def body(s):
@@ -84,7 +84,7 @@ def forward(loop: Loop, consts, cconsts, init, xs, n, kd, *, store: bool,
 
 
 def _no_ext(loop: Loop, plan: ResidualPlan | None):
-    return [] if plan is None else [_sharding.zeros((loop.max_steps,), a) for a in plan.stored]
+    return [] if plan is None else [_sharding.blank((loop.max_steps,), a) for a in plan.stored]
 
 
 def backward(loop: Loop, pert: Perturbed, plan: ResidualPlan | None, consts, xs, kd, res, steps,

@@ -310,6 +310,34 @@ def test_cells_the_store_leaves_unset_are_never_used(monkeypatch, loop, checkpoi
 
 
 @pytest.mark.parametrize("checkpoints", [None, 2])
+@pytest.mark.parametrize("strategy", ["checkpointed", "auto"])
+def test_cells_an_unbatched_store_leaves_unset_are_never_used(monkeypatch, strategy, checkpoints):
+    """The unbatched loop's buffers (its stored carries and the step residuals it stores:
+    ``tanh``'s output here), left unset too, filled with NaN: gradients of a loop that stops
+    before its ``max_depth`` are those of a plain Python loop."""
+    from dyndepth import _sharding
+
+    monkeypatch.setattr(_sharding, "blank", _poisoned_blank)
+    W = jax.random.normal(jax.random.PRNGKey(3), (3, 3)) / 3
+    x = jnp.array([0.3, -0.2, 0.5])
+
+    def looped(W, x):
+        step = lambda c: c + 0.5 * jnp.tanh(c @ W)  # noqa: E731
+        return jnp.sum(dd.repeat(step, x, 5, max_depth=12, strategy=strategy,
+                                 checkpoints=checkpoints) ** 2)  # fmt: skip
+
+    def plain(W, x):
+        for _ in range(5):
+            x = x + 0.5 * jnp.tanh(x @ W)
+        return jnp.sum(x**2)
+
+    got = jax.jit(jax.value_and_grad(looped, argnums=(0, 1)))(W, x)
+    want = jax.value_and_grad(plain, argnums=(0, 1))(W, x)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("checkpoints", [None, 2])
 @pytest.mark.parametrize("loop", ["repeat", "while_loop"])
 def test_reverse_mode_over_no_samples(loop, checkpoints):
     """``grad`` of ``vmap`` of a loop over a batch of zero samples: zero gradients, as a plain

@@ -143,7 +143,12 @@ def checkpoints_for(loop: Loop, rows: int, platform: str | None = None) -> int |
 
 
 def _recompute_is_cheaper(loop: Loop, carry_bytes: int, platform: str | None) -> bool:
-    platform = platform or _cost.current_platform()
+    """Whether writing a carry to fresh memory costs more than recomputing its step, on
+    ``platform``: by default the one the loop is traced on, not the one it is lowered for. The
+    count decides the store's shape, which the loop's abstract evaluation (traced on the host)
+    and its lowering (for the lowering platform) must agree on: a program lowered for a TPU on
+    a CPU host stores as many carries as the host would."""
+    platform = platform or jax.default_backend()
     cost = _cost.backend_cost(platform)
     rate = FRESH_BYTES_PER_SECOND.get(platform, math.inf)
     flops = _cost.jaxpr_flops(loop.step_jaxpr.jaxpr)

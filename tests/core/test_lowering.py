@@ -166,6 +166,34 @@ def test_lowers_for_every_platform(name, mode):
         assert "xla_python_cpu_callback" not in text, (name, mode, platform)
 
 
+def test_a_store_the_host_would_thin_lowers_for_every_platform():
+    """A step so small that on this CPU recomputing it is cheaper than writing its carry:
+    the host stores at most ``SMALL_STORE`` carries per sample, below ``max_depth``. Lowered for
+    an accelerator (which writes memory at speed), the store keeps that shape: the loop's
+    abstract evaluation, traced on the host, and its lowering agree (they disagreed: the
+    lowering failed to verify, a store of 64 carries against one of every carry)."""
+    from dyndepth import _budget
+
+    W = jnp.eye(16) * 0.1
+    xs, depths = jnp.ones((64, 16)), jnp.arange(64) % 7
+
+    def loss(W):
+        one = lambda x, d: dd.repeat(lambda c: c + jnp.tanh(c @ W), x, d, max_depth=100)  # noqa: E731
+        return jnp.sum(jax.vmap(one)(xs, depths) ** 2)
+
+    host = dd_cost.backend_cost("cpu")
+    dd.set_iteration_cost("cpu", None)  # (the suite's own cost counts every step as free)
+    try:
+        traced = jax.jit(jax.value_and_grad(loss)).trace(W)
+        loop = next(e.params["loop"] for e in traced.jaxpr.eqns if "loop" in e.params)
+        assert _budget.checkpoints_for(loop, 64) == _budget.SMALL_STORE
+        assert _budget.checkpoints_for(loop, 64, "tpu") is None
+        for platform in PLATFORMS:
+            assert "stablehlo.while" in traced.lower(lowering_platforms=(platform,)).as_text()
+    finally:
+        dd.set_iteration_cost("cpu", host)
+
+
 def test_profiles_name_the_loops():
     """The batched loop's kernels carry named scopes (``jax.named_scope``) in the compiled
     program's metadata, as profilers show them: forward, backward and each slot count's

@@ -309,6 +309,44 @@ def test_cells_the_store_leaves_unset_are_never_used(monkeypatch, loop, checkpoi
     np.testing.assert_allclose(g_xs, jnp.stack([g[1] for _, g in want]), rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("checkpoints", [None, 2])
+def test_cells_left_unset_are_never_used_in_second_order(monkeypatch, batched, checkpoints):
+    """Reverse over reverse and forward over reverse (the Hessian-vector product of a loss's
+    gradient) with the stores filled with NaN: those of plain Python, batched or not."""
+    from dyndepth import _sharding
+
+    monkeypatch.setattr(_sharding, "blank", _poisoned_blank)
+    W = jax.random.normal(jax.random.PRNGKey(5), (3, 3)) / 3
+    xs = jax.random.normal(jax.random.PRNGKey(6), (4, 3))
+    depths = jnp.array([0, 5, 2, 9])
+
+    def step(W, c):
+        return c + 0.5 * jnp.tanh(c @ W)
+
+    def looped(W, x, d):
+        return dd.repeat(lambda c: step(W, c), x, d, max_depth=10, checkpoints=checkpoints)
+
+    def plain(W, x, d):
+        c = x
+        for i in range(10):
+            c = jnp.where(i < d, step(W, c), c)
+        return c
+
+    def loss(one):
+        if batched:
+            return lambda W: jnp.sum(jax.vmap(lambda x, d: one(W, x, d))(xs, depths) ** 2)
+        return lambda W: sum(jnp.sum(one(W, x, d) ** 2) for x, d in zip(xs, depths, strict=True))
+
+    def second(f):
+        grad = jax.grad(f)
+        hvp = jax.jvp(grad, (W,), (jnp.ones_like(W),))[1]
+        return jax.grad(lambda W: jnp.sum(grad(W) ** 2))(W), hvp
+
+    for a, b in zip(jax.jit(lambda: second(loss(looped)))(), second(loss(plain)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("checkpoints", [None, 2])
 @pytest.mark.parametrize("strategy", ["checkpointed", "auto"])
 def test_cells_an_unbatched_store_leaves_unset_are_never_used(monkeypatch, strategy, checkpoints):

@@ -110,6 +110,12 @@ def current_platform() -> str:
     return _LOWERING_PLATFORM.get() or jax.default_backend()
 
 
+def conditionals_on_device() -> bool:
+    """Whether a loop body's conditional costs the platform traced for little: not on a GPU,
+    whose XLA runtime reads a conditional's predicate on the host, a wait every iteration."""
+    return current_platform() not in ("gpu", "cuda", "rocm")
+
+
 def backend_cost(platform: str | None = None) -> IterationCost:
     """The costs of ``platform`` (:func:`current_platform`'s when None; an unknown one takes
     the GPU's: an accelerator pays per iteration)."""

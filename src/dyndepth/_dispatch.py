@@ -265,7 +265,7 @@ def _store_in_order() -> str | None:
     (:func:`dyndepth._per_device.samples_keep_columns`)."""
     if samples_keep_columns():
         return None
-    return "when sure" if _cost.current_platform() in ("gpu", "cuda", "rocm") else "where it fits"
+    return "where it fits" if _cost.conditionals_on_device() else "when sure"
 
 
 def _paired(out: tuple, slots: int) -> tuple:

@@ -40,7 +40,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _schedule, _sharding, _vma
+from . import _cost, _schedule, _sharding, _vma
 from ._leaves import DROP, IN_BOUNDS, index_in, put_index, update_in
 from ._schedule import at_slots
 from ._step import Loop
@@ -122,6 +122,8 @@ def put(loop: Loop, store: dict, b: Any, i: jax.Array, carry: list, live: jax.Ar
         return dict(store, buf=put_cells(store["buf"], b, i, carry, want, 0))
     if "count" in store:
         store = _make_room(loop, store, b, i, live)
+    elif b is None and jnp.ndim(i) == 0 and _cost.conditionals_on_device():
+        return _put_shared_step(store, i, carry, live)
     stride = at_slots([store["stride"]], b)[0]
     want = live & (i % stride == 0)
     k = (i // stride) if "count" not in store else at_slots([store["count"]], b)[0]
@@ -131,6 +133,23 @@ def put(loop: Loop, store: dict, b: Any, i: jax.Array, carry: list, live: jax.Ar
         B = store["count"].shape[0]
         out["count"] = store["count"].at[jnp.where(want, _rows_of(b, want), B)].add(1, **DROP)
     return out
+
+
+def _put_shared_step(store: dict, i: jax.Array, carry: list, live: jax.Array) -> dict:
+    """:func:`put` for rows all at step ``i`` (lockstep) with strides known up front: the rows at
+    stride 1 write slot ``i``, one slice; the others, at their slot ``i // stride``, by a per-row
+    scatter, run only where some row's stride exceeds 1 (a conditional; not on a GPU, see
+    :func:`dyndepth._cost.conditionals_on_device`). A TPU ran such a scatter over the whole
+    store, relaid out, every iteration: a store sized by a generous ``max_depth`` cost 43 ms an
+    iteration at depth 3 (``benchmarks/README.md``, "An unused ``max_depth`` on the TPU v5e")."""
+    stride = store["stride"]
+    buf = put_index(store["buf"], i, carry, live & (stride == 1))
+    deep = live & (stride > 1) & (i % stride == 0)
+
+    def scatter(buf):
+        return put_cells(buf, None, i // stride, carry, deep, 0)
+
+    return dict(store, buf=_vma.cond(jnp.any(stride > 1), scatter, lambda buf: buf, buf))
 
 
 def fits_in_order(sched: Any, K: int, B: int) -> jax.Array:

@@ -111,8 +111,9 @@ def current_platform() -> str:
 
 
 def conditionals_on_device() -> bool:
-    """Whether a loop body's conditional costs the platform traced for little: not on a GPU,
-    whose XLA runtime reads a conditional's predicate on the host, a wait every iteration."""
+    """Whether a conditional in a loop's body is cheap on the platform a kernel is traced for
+    (:func:`current_platform`): not on a GPU, whose XLA runtime reads a conditional's predicate
+    on the host, a wait every iteration."""
     return current_platform() not in ("gpu", "cuda", "rocm")
 
 

@@ -143,9 +143,9 @@ def zeros(lead: tuple[int, ...], aval: Any) -> Any:
 
 
 def blank(lead: tuple[int, ...], aval: Any) -> Any:
-    """A buffer typed as :func:`zeros` makes it whose values are left unset where the backend
-    allows (``lax.empty``: a TPU or GPU allocates it without a pass over its memory; a CPU
-    fills it with zeros), for a buffer whose cells are all written before they are read, or
+    """A buffer of the shape and type :func:`zeros` gives, its values left unset where the
+    backend allows (``lax.empty``: a TPU or GPU allocates it without a pass over its memory; a
+    CPU fills it with zeros), for a buffer whose cells are all written before they are read, or
     read only into a select that discards them (the stored carries, :mod:`dyndepth._store`).
     On a TPU v5e the zeros of a long tail's store took 3.1 ms of a 46 ms value_and_grad
     (``benchmarks/README.md``, "Where the long tail's time goes now")."""

@@ -29,7 +29,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _cost
+from . import _cost, _slots
+from ._leaves import nbytes
 from ._step import Loop
 
 # Bytes one loop's stored carries may take with ``checkpoints=None``, its batch included, counting
@@ -122,24 +123,33 @@ def stored_carry_budget_scope(nbytes: int | None) -> Iterator[None]:
         _budget[0] = before
 
 
-def nbytes(avals) -> int:
-    """Bytes of ``avals``: arrays, or abstract values (an array of each); typed PRNG keys
-    count their key data (their dtype's ``itemsize``, which ``np.dtype`` cannot read)."""
-    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in avals)
-
-
 def checkpoints_for(loop: Loop, rows: int, platform: str | None = None) -> int | None:
     """The carries per sample ``loop`` stores over ``rows`` samples with ``checkpoints=None``:
     ``None`` (every one) while they fit the budget (and :data:`SMALL_STORE` where that bounds
     them), else as many as fit, at least :func:`fewest_held`'s."""
     carry = nbytes(loop.carry_avals)
     length = loop.max_steps
-    fits = loop.budget // max(2 * rows * carry, 1)
+    fits = loop.budget // max(2 * rows * stored_bytes(loop, rows, platform), 1)
     if _recompute_is_cheaper(loop, carry, platform):
         fits = min(fits, SMALL_STORE)
     if carry == 0 or length <= fits:
         return None
     return max(fits, fewest_held(length))
+
+
+def stored_bytes(loop: Loop, rows: int, platform: str | None = None) -> int:
+    """Bytes one stored carry of ``loop`` over ``rows`` rows may take on ``platform`` (by
+    default the one the loop is traced on, as :func:`_recompute_is_cheaper`): on a TPU, where
+    the loop may run scheduled (:func:`dyndepth._slots.may_run_scheduled`), each array's last
+    dimension padded to the lanes (:func:`dyndepth._cost.lane_padded`), since the TPU compiler
+    may lay such a loop's store out with the carry's last dimension along them (compiled for a
+    TPU v5e, value_and_grad over B=4096 carries of 16 floats, 6000 stored per sample in
+    wrap-around slot counts, held 15 GiB of temporary memory for a 1.5 GiB store); a lockstep
+    loop keeps its rows along the lanes. Elsewhere :func:`dyndepth._leaves.nbytes`."""
+    platform = platform or jax.default_backend()
+    if platform != "tpu" or not _slots.may_run_scheduled(loop, rows, platform):
+        return nbytes(loop.carry_avals)
+    return sum(math.prod(_cost.lane_padded(a.shape)) * a.dtype.itemsize for a in loop.carry_avals)
 
 
 def _recompute_is_cheaper(loop: Loop, carry_bytes: int, platform: str | None) -> bool:

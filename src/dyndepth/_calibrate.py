@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _checks
-from ._budget import nbytes
+from ._leaves import nbytes
 from ._cost import IterationCost, jaxpr_flops
 from ._loop import repeat_batched
 
@@ -56,19 +56,27 @@ def measure_iteration_cost(
             mat = lambda x: x + jnp.tanh(x @ W)              # rows of `width` floats
             def per_iteration(f, S):
                 return (t(f, 2 * depth, S) - t(f, depth, S)) / (it(2 * depth, S) - it(depth, S))
-            fixed, floor_row = fit_line(slots, [per_iteration(add, S) for S in slots])
-            fixed_mat, row = fit_line(slots, [per_iteration(mat, S) for S in slots])
+            fixed, floor_slope = fit_line(slots, [per_iteration(add, S) for S in slots])
+            fixed_mat, slope = fit_line(slots, [per_iteration(mat, S) for S in slots])
+            row = (per_iteration(mat, batch) - fixed_mat) / batch   # lockstep: no moves
+            moved = slope - row
             return IterationCost(fixed_seconds=fixed, flops_per_second=flops(mat) / row,
-                                 row_floor_seconds=floor_row,
-                                 bytes_per_second=bytes(W) / (fixed_mat - fixed))
+                                 row_floor_seconds=floor_slope - moved,
+                                 bytes_per_second=bytes(W) / (fixed_mat - fixed),
+                                 moved_row_seconds=moved)
 
     ``fit_line`` is a least-squares line (intercept, slope), clamped to be non-negative (the
-    slope to at least 1e-15 s). Use it once per machine, before the first call of a jitted
-    function (a compiled one keeps its slot counts)::
+    slope to at least 1e-15 s); ``row`` is clamped likewise, ``moved`` and the floor to at
+    least 0. What a scheduled row costs beyond a lockstep one (``moved``: the row's data moved
+    in and out of its slot) is read from the matrix product, whose lockstep run (``S =
+    batch``: one shared step, slices) gives the step's own cost per row.
+
+    Use it once per machine, before the first call of a jitted function (a compiled one keeps
+    its slot counts)::
 
         dyndepth.set_iteration_cost(jax.default_backend(), dyndepth.measure_iteration_cost())
 
-    It takes about ten seconds on a CPU at the defaults (ten small programs compiled and
+    It takes about ten seconds on a CPU at the defaults (eleven small programs compiled and
     timed), and should run on a quiet machine: timing noise moves the figures from run to run
     (on a 2-core CPU, the fixed cost by about a quarter). It runs eagerly (it times compiled
     calls), not under a transformation.
@@ -96,22 +104,32 @@ def measure_iteration_cost(
 
     row_flops = jaxpr_flops(jax.make_jaxpr(matmul_step)(jnp.zeros((width,), jnp.float32)).jaxpr)
     floor, matmul = per_iteration(floor_step, FLOOR_WIDTH), per_iteration(matmul_step, width)
-    return cost_of_lines(slots, floor, matmul, row_flops, nbytes([W]))
+    x = jax.random.normal(key_x, (batch, width), jnp.float32)
+    lockstep = _seconds_per_iteration(matmul_step, x, depth, batch, repeats)
+    return cost_of_lines(slots, floor, matmul, lockstep, row_flops, nbytes([W]))
 
 
-def cost_of_lines(slots, floor_seconds, matmul_seconds, row_flops: float,
-                  weight_bytes: float) -> IterationCost:  # fmt: skip
+def cost_of_lines(slots, floor_seconds, matmul_seconds, lockstep_seconds: float,
+                  row_flops: float, weight_bytes: float) -> IterationCost:  # fmt: skip
     """The :class:`IterationCost` of an iteration's measured seconds at each slot count, for
     the elementwise step (``floor_seconds``) and the matrix product of ``row_flops``
-    operations per row and ``weight_bytes`` of weights (``matmul_seconds``): what the matrix
-    product's iteration costs beyond the elementwise one's, whatever its rows, is reading
-    the weights (none: an infinite rate)."""
-    fixed, floor_row = fit_line(slots, floor_seconds)
-    fixed_mm, row = fit_line(slots, matmul_seconds)
+    operations per row and ``weight_bytes`` of weights (``matmul_seconds``), and of the matrix
+    product's lockstep iteration over all ``B`` rows (``lockstep_seconds``, ``B`` twice the
+    largest count timed). What the matrix product's iteration costs beyond
+    the elementwise one's, whatever its rows, is reading the weights (none: an infinite
+    rate); what its scheduled row costs beyond its lockstep row, moving the row in and out of
+    its slot."""
+    fixed, floor_slope = fit_line(slots, floor_seconds)
+    fixed_mm, slope = fit_line(slots, matmul_seconds)
+    batch = 2 * max(slots)
+    row = max((lockstep_seconds - fixed_mm) / batch, 1e-15)
+    moved = max(slope - row, 0.0)
     extra = fixed_mm - fixed
     return IterationCost(
-        fixed_seconds=fixed, flops_per_second=row_flops / row, row_floor_seconds=floor_row,
+        fixed_seconds=fixed, flops_per_second=row_flops / row,
+        row_floor_seconds=max(floor_slope - moved, 0.0),
         bytes_per_second=weight_bytes / extra if extra > 0 else math.inf,
+        moved_row_seconds=moved,
     )  # fmt: skip
 
 

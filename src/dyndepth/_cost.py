@@ -17,13 +17,17 @@ the project's 2-core machine (width 64, ``benchmarks/slot_sweep.py``: about 20).
 which an iteration reads the shared operands: on the CPU fitted to a width-256 step's forward
 iteration, about 20 us whatever its rows for 256 KiB of weights (``measure_iteration_cost``
 fits it too); on the GPU the H200's memory bandwidth, rounded down from its nominal 4.8 TB/s,
-not measured. TPUs take the GPU's constants. On one TPU v5e, ``measure_iteration_cost`` gave a
-fixed 3.3-3.9 us, rates of 1.7-1.8 TFLOP/s at width 256 and 16-19 at width 1024, and weights
-read at 62-790 GB/s (``benchmarks/tpu.py``, 2026-12-05); with those constants the time rule
-chose the wrap-around schedule on uniform depths where lockstep ran 1.7x faster (a scheduled
-iteration moves each row's data in and out of its slot, which the model does not count and
-which costs more on a TPU than the fixed part it measures), and the GPU's constants chose the
-faster count on both workloads timed there.
+not measured.
+
+A scheduled iteration (fewer slots than rows) also moves each row's data in and out of its
+slot (gathers and scatters) where a lockstep one, every row at one shared step, moves slices:
+``moved_row_seconds`` per row, in rows ``moved_rows = moved / row``, so that lockstep costs
+``C x (fixed_rows + B)`` and ``S`` slots ``C(S) x (fixed_rows + S x (1 + moved_rows))``. On
+the CPU and the GPU it is left at 0 (not measured apart). On a TPU it is what decides: one TPU
+v5e (``benchmarks/tpu_slot_costs.py``) moved a row for about 20 ns whatever its width (16 to
+512 floats), beside 0.2-12 ns for the step itself in lockstep, so that 2,048 slots of a
+width-16 step ran 19x slower than lockstep on uniform depths while doing the same iterations
+(the GPU's constants chose them). The TPU's constants below are that chip's.
 
 The constants are those of the platform a program is lowered for (:func:`current_platform`):
 a program lowered for a TPU on a CPU host (``lowering_platforms=("tpu",)``, or a deviceless
@@ -51,13 +55,17 @@ from jax.experimental import multihost_utils
 class IterationCost:
     """A backend's costs: per loop iteration ``fixed_seconds`` plus the step's shared operands
     (its weights) read once, ``shared_bytes / bytes_per_second``; per row the larger of
-    ``row_flops / flops_per_second`` and ``row_floor_seconds``. The default
-    ``bytes_per_second`` (infinite) leaves the weights out."""
+    ``row_flops / flops_per_second`` and ``row_floor_seconds``, and in a scheduled iteration
+    (fewer slots than rows) ``moved_row_seconds`` more: moving the row's data in and out of its
+    slot (gathers and scatters), which a lockstep iteration, whose rows all take one shared
+    step, does as slices. The default ``bytes_per_second`` (infinite) leaves the weights out,
+    the default ``moved_row_seconds`` (0) the moves."""
 
     fixed_seconds: float
     flops_per_second: float
     row_floor_seconds: float
     bytes_per_second: float = math.inf
+    moved_row_seconds: float = 0.0
 
     def fixed_rows(self, row_flops: float, shared_bytes: float = 0.0) -> float:
         """The fixed cost of an iteration in rows of a step of ``row_flops`` operations whose
@@ -65,6 +73,12 @@ class IterationCost:
         row = max(row_flops / self.flops_per_second, self.row_floor_seconds)
         fixed = self.fixed_seconds + shared_bytes / self.bytes_per_second
         return fixed / row if row > 0 else 0.0
+
+    def moved_rows(self, row_flops: float) -> float:
+        """What moving a row in and out of its slot costs a scheduled iteration, in rows of a
+        step of ``row_flops`` operations."""
+        row = max(row_flops / self.flops_per_second, self.row_floor_seconds)
+        return self.moved_row_seconds / row if row > 0 else 0.0
 
 
 _GPU = IterationCost(fixed_seconds=30e-6, flops_per_second=2.8e14, row_floor_seconds=10e-9,
@@ -79,7 +93,18 @@ BACKEND_COSTS: dict[str, IterationCost] = {
     "gpu": _GPU,
     "cuda": _GPU,
     "rocm": _GPU,
-    "tpu": _GPU,
+    # One TPU v5e (benchmarks/tpu_slot_costs.py, value_and_grad, per forward and backward
+    # iteration): lockstep 2-3 us plus 0.2-12 ns a row for widths 16-512 (a forward step's
+    # flops at about 3.5e13 a second); a scheduled iteration 3-4.5 us plus 20-31 ns a row,
+    # about 20 ns a row more than lockstep's whatever the width; weights read at 740-790 GB/s
+    # (benchmarks/tpu.py's measured constants at width 1024).
+    "tpu": IterationCost(
+        fixed_seconds=3e-6,
+        flops_per_second=3.5e13,
+        row_floor_seconds=2e-10,
+        bytes_per_second=7.5e11,
+        moved_row_seconds=2e-8,
+    ),  # fmt: skip
 }
 
 
@@ -117,6 +142,37 @@ def conditionals_on_device() -> bool:
     return current_platform() not in ("gpu", "cuda", "rocm")
 
 
+# A TPU lays an array's last dimension along its 128 lanes, padded to fill them.
+TPU_LANES = 128
+# Above this many bytes (a store padded to the lanes), moving a store is worth avoiding at the
+# price of a kernel every iteration (see rows_on_lanes).
+_MOVE_WORTH_A_KERNEL = 64 * 2**20
+
+
+def lane_padded(shape: tuple) -> tuple:
+    """``shape`` with its last dimension rounded up to a TPU's lanes (a scalar's shape as it
+    is)."""
+    if not shape:
+        return tuple(shape)
+    return (*shape[:-1], -(-shape[-1] // TPU_LANES) * TPU_LANES)
+
+
+def rows_on_lanes(shape: tuple, dtype: Any) -> bool:
+    """Whether a store of ``shape`` (slot-major, ``(K, B, ...)``) is large and, on the platform
+    a kernel is traced for, laid out with its rows along the lanes: on a TPU, where a last
+    dimension short of the lanes makes the compiler put the rows there rather than pad it,
+    while a loop that reads a slot into the step, or scatters rows into the store, wants the
+    carry's last dimension there. The compiler then moves the whole store: before the loop, to
+    read one slot per iteration (a copy padded to the lanes, at 16 floats 8 times the store);
+    every iteration, to scatter rows (on a TPU v5e, 7 ms an iteration for a 250 MiB store).
+    Only where the store padded to the lanes exceeds 64 MiB: below, moving it costs less than
+    avoiding it (a kernel every iteration)."""
+    if current_platform() != "tpu" or len(shape) < 3 or shape[-1] % TPU_LANES == 0:
+        return False
+    padded = math.prod(lane_padded(shape)) * np.dtype(dtype).itemsize
+    return padded > _MOVE_WORTH_A_KERNEL
+
+
 def backend_cost(platform: str | None = None) -> IterationCost:
     """The costs of ``platform`` (:func:`current_platform`'s when None; an unknown one takes
     the GPU's: an accelerator pays per iteration)."""
@@ -141,15 +197,17 @@ def set_iteration_cost(platform: str, cost: IterationCost | None) -> None:
 
     Raises ``TypeError`` for a ``cost`` that is not an :class:`IterationCost` (or a field that is
     not a real number), ``ValueError`` for an unknown ``platform``, a NaN, infinite or negative
-    ``fixed_seconds`` or ``row_floor_seconds``, or a NaN, zero or negative rate
-    (``flops_per_second``, ``bytes_per_second``; infinite is allowed: that cost is left out).
+    ``fixed_seconds``, ``row_floor_seconds`` or ``moved_row_seconds``, or a NaN, zero or
+    negative rate (``flops_per_second``, ``bytes_per_second``; infinite is allowed: that cost
+    is left out).
     """
     _check_platform(platform)
     if cost is not None:
         if not isinstance(cost, IterationCost):
             raise TypeError(f"`cost` must be a dyndepth.IterationCost or None, got {cost!r}")
         for field, rate in (("fixed_seconds", False), ("row_floor_seconds", False),
-                            ("flops_per_second", True), ("bytes_per_second", True)):  # fmt: skip
+                            ("moved_row_seconds", False), ("flops_per_second", True),
+                            ("bytes_per_second", True)):  # fmt: skip
             _check_field(cost, field, rate)
     cost = _process_zeros(platform, cost)
     BACKEND_COSTS[platform] = _DEFAULTS.get(platform, _GPU) if cost is None else cost
@@ -181,7 +239,7 @@ def _process_zeros(platform: str, cost: IterationCost | None) -> IterationCost |
 
 
 def _encode(platform: str, cost: IterationCost | None) -> np.ndarray:
-    """``[crc32(platform), has cost, the cost's four floats as float64 bits]`` as uint32 words
+    """``[crc32(platform), has cost, the cost's floats as float64 bits]`` as uint32 words
     (a broadcast of float64 values would round them to float32 without x64)."""
     fields = [f.name for f in dataclasses.fields(IterationCost)]
     values = [0.0 if cost is None else float(getattr(cost, f)) for f in fields]

@@ -234,8 +234,8 @@ def _forward_kernel(loop: Loop, ops: LoopOperands, axes: LoopOperands, per_sampl
     if loop.cond_jaxpr is not None:
         # Stopping steps are unknown before the loop runs: continuous batching in a quarter of
         # the rows, all of them where iterations cost more than rows (or the given slots).
-        slots = _slots.refill_slots(loop.slots, rows,
-                                    _slots.fixed_rows(loop, ops.consts, axes.consts))  # fmt: skip
+        rule = _slots.SlotRule.for_loop(loop, rows, ops.consts, axes.consts)
+        slots = _slots.refill_slots(loop.slots, rows, rule.fixed_rows, rule.moved_rows)
         if slots >= rows:
             return _paired(_kernels.lockstep(loop, ops, axes, store=store), rows)
         holds = _kernels.stop_predicate(loop, ops.cconsts, axes.cconsts)
@@ -253,7 +253,27 @@ def _forward_kernel(loop: Loop, ops: LoopOperands, axes: LoopOperands, per_sampl
         return _paired(out, S)
 
     rule = _slots.SlotRule.for_loop(loop, rows, ops.consts, axes.consts)
-    return _with_slots(rule, lambda: rule.choose(n), run)
+    return _with_slots(rule, lambda: _forward_pick(loop, rule, n, store, in_order), run)
+
+
+def _forward_pick(loop: Loop, rule: _slots.SlotRule, n: jax.Array, store: bool,
+                  in_order: str | None) -> jax.Array:  # fmt: skip
+    """Index into ``rule.candidates`` of the forward pass's slot count: the rule's choice,
+    except where a wrap-around pass would scatter rows into a thinned store laid out with its
+    rows along the lanes (:func:`dyndepth._cost.rows_on_lanes`: the compiler moves the whole
+    store every iteration). There only counts whose schedule writes the store in schedule
+    order (:func:`dyndepth._store.fits_in_order`, blocks, no scatter) stay; the others give way
+    to lockstep, whose rows write slices."""
+    choice = rule.choose(n)
+    rows, K = n.shape[0], loop.slots_stored
+    on_lanes = any(_cost.rows_on_lanes((K, rows, *a.shape), a.dtype) for a in loop.carry_avals)
+    if not (store and loop.thinning and in_order == "where it fits" and on_lanes):
+        return choice
+    total, longest = jnp.sum(n), jnp.max(n, initial=0)
+    fits = [S >= rows or (rows % S == 0 and _slots.iterations(total, longest, S) <= K * (rows // S))
+            for S in rule.candidates]  # fmt: skip
+    return jnp.where(jnp.stack([jnp.asarray(f) for f in fits])[choice], choice,
+                     rule.candidates.index(rows))  # fmt: skip
 
 
 def _store_in_order() -> str | None:

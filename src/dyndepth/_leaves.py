@@ -167,3 +167,9 @@ def broadcast_rows(leaves: Sequence[Any], batched: Sequence[bool], rows: int,
         return jnp.broadcast_to(jnp.expand_dims(x, axis), shape[:axis] + (rows,) + shape[axis:])
 
     return [x if b else spread(x) for x, b in zip(leaves, batched, strict=True)]
+
+
+def nbytes(avals) -> int:
+    """Bytes of ``avals``: arrays, or abstract values (an array of each); typed PRNG keys
+    count their key data (their dtype's ``itemsize``, which ``np.dtype`` cannot read)."""
+    return sum(math.prod(a.shape) * a.dtype.itemsize for a in avals)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from . import _budget, _sharding, _vma
 from ._derivative import Perturbed
-from ._leaves import merge, take
+from ._leaves import merge, nbytes, take
 from ._step import Loop, step_consts
 
 # A step's stored residuals may take at most this many times the carry's bytes; beyond it the
@@ -94,7 +94,7 @@ def residual_plan(loop: Loop, pert: Perturbed, consts, xs, kd) -> ResidualPlan |
         list(consts), list(loop.carry_avals), list(xs), kd,
     )  # fmt: skip
     stored = tuple(stored)
-    if _budget.nbytes(stored) > RESIDUAL_BUDGET * max(_budget.nbytes(loop.carry_avals), 1):
+    if nbytes(stored) > RESIDUAL_BUDGET * max(nbytes(loop.carry_avals), 1):
         return None
     return ResidualPlan(treedef=found["treedef"], sources=found["sources"], stored=stored)
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _cost
-from ._budget import nbytes
+from ._leaves import nbytes
 from ._step import Loop
 
 # Each slot count is one compiled copy of the step (forward and backward), so the ladders are
@@ -43,10 +43,17 @@ WORK_LADDER_RATIO = 8
 WORK_SLACK = 1 / 16
 
 
-def slot_candidates(batch: int, fixed_rows: float, step_equations: int = 0) -> tuple[int, ...]:
+def slot_candidates(batch: int, fixed_rows: float, step_equations: int = 0,
+                    moved_rows: float = 0.0) -> tuple[int, ...]:  # fmt: skip
     """The slot counts that ``slots=None`` chooses from at run time (by :func:`choose_by_time`,
     one compiled branch each), descending, as the comments above say (``step_equations``: the
-    step's, :func:`dyndepth._cost.jaxpr_equations`); batches of 2 or fewer run unscheduled."""
+    step's, :func:`dyndepth._cost.jaxpr_equations`); batches of 2 or fewer run unscheduled.
+    A count is kept where its rows with twice their moves (``S x (1 + 2 x moved_rows)``) are
+    fewer than the batch's: at its best (lockstep's iterations) it saves more rows than its
+    moves cost again. Each count's compiled branch costs every call, even one that runs
+    another count (on a TPU v5e, a second count added 0.4-0.7 ms to value_and_grad calls that
+    ran lockstep at B=256 and 1024: ``benchmarks/README.md``); one that saves less rarely
+    pays for it. (Where rows move for free, every count is kept.)"""
     if batch <= 2:
         return (batch,)
     smallest = max(1, math.floor(fixed_rows / 8))
@@ -55,7 +62,8 @@ def slot_candidates(batch: int, fixed_rows: float, step_equations: int = 0) -> t
         c = math.ceil(c / ratio)
         if c < smallest or c == counts[-1]:
             break
-        counts.append(c)
+        if c * (1 + 2 * moved_rows) < batch:
+            counts.append(c)
     return tuple(counts)
 
 
@@ -85,10 +93,11 @@ class SlotRule:
 
     candidates: tuple[int, ...]
     fixed_rows: float | None
+    moved_rows: float = 0.0
 
     @staticmethod
     def of(slots: int | tuple[int, ...] | str | None, batch: int, fixed_rows: float,
-           step_equations: int = 0) -> SlotRule:  # fmt: skip
+           step_equations: int = 0, moved_rows: float = 0.0) -> SlotRule:  # fmt: skip
         """The rule of a loop's ``slots`` argument: the time rule on the default ladder (of a
         step of ``step_equations`` equations), one count, or the given counts (those of
         ``batch`` or more all mean the lockstep batch); ``"work"``: the work rule on its
@@ -96,9 +105,11 @@ class SlotRule:
         if slots == "work":
             return SlotRule(work_candidates(batch), None)
         if slots is None:
-            return SlotRule(slot_candidates(batch, fixed_rows, step_equations), fixed_rows)
+            counts = slot_candidates(batch, fixed_rows, step_equations, moved_rows)
+            return SlotRule(counts, fixed_rows, moved_rows)
         counts = (slots,) if isinstance(slots, int) else slots
-        return SlotRule(tuple(sorted({min(c, batch) for c in counts}, reverse=True)), fixed_rows)
+        counts = tuple(sorted({min(c, batch) for c in counts}, reverse=True))
+        return SlotRule(counts, fixed_rows, moved_rows)
 
     @staticmethod
     def for_loop(loop: Loop, batch: int, consts, c_axes) -> SlotRule:
@@ -106,31 +117,48 @@ class SlotRule:
         default backend's costs (``consts`` with axis ``None`` in ``c_axes``: the weights every
         iteration reads once), its ladder from the step's size."""
         size = _cost.jaxpr_equations(loop.step_jaxpr.jaxpr)
-        return SlotRule.of(loop.slots, batch, fixed_rows(loop, consts, c_axes), size)
+        moved = _cost.backend_cost().moved_rows(_cost.jaxpr_flops(loop.step_jaxpr.jaxpr))
+        return SlotRule.of(loop.slots, batch, fixed_rows(loop, consts, c_axes), size, moved)
 
     def choose(self, lengths: jax.Array) -> jax.Array:
         if self.fixed_rows is None:
             return choose_by_work(lengths, self.candidates)
-        return choose_by_time(lengths, self.candidates, self.fixed_rows)
+        return choose_by_time(lengths, self.candidates, self.fixed_rows, self.moved_rows)
+
+
+def may_run_scheduled(loop: Loop, rows: int, platform: str) -> bool:
+    """Whether a loop over ``rows`` rows may run in fewer slots than rows on ``platform``'s
+    costs: its ``slots`` argument's rule has a count below ``rows`` (the ladder read without
+    the step's shared weights, which only shorten it)."""
+    if loop.strategy != "auto" or rows <= 1:
+        return False
+    cost = _cost.backend_cost(platform)
+    flops = _cost.jaxpr_flops(loop.step_jaxpr.jaxpr)
+    size = _cost.jaxpr_equations(loop.step_jaxpr.jaxpr)
+    rule = SlotRule.of(loop.slots, rows, cost.fixed_rows(flops), size, cost.moved_rows(flops))
+    return rule.candidates[-1] < rows
 
 
 def fixed_rows(loop: Loop, consts, c_axes) -> float:
-    """An iteration's fixed cost in rows of ``loop``'s step on the default backend, the step's
-    consts shared by the rows (axis ``None``) read once per iteration."""
+    """An iteration's fixed cost in rows of ``loop``'s step on the platform a kernel is traced
+    for, the step's consts shared by the rows (axis ``None``) read once per iteration."""
     shared = nbytes([c for c, ax in zip(consts, c_axes, strict=True) if ax is None])
     return _cost.backend_cost().fixed_rows(_cost.jaxpr_flops(loop.step_jaxpr.jaxpr), shared)
 
 
-def refill_slots(slots: int | tuple[int, ...] | str | None, batch: int, fixed_rows: float) -> int:
+def refill_slots(slots: int | tuple[int, ...] | str | None, batch: int,
+                 fixed_rows: float | None, moved_rows: float = 0.0) -> int:  # fmt: skip
     """The slot count of continuous batching (stopping steps unknown up front): ``slots``, the
-    largest of several; by default a quarter of the batch, or the whole batch (a lockstep loop
-    that ends with its last sample) where an iteration's fixed cost outweighs a quarter of its
-    rows: refilling slots then costs more in iterations than it saves in rows."""
+    largest of several; by default (``slots`` None, ``fixed_rows`` given) a quarter of the
+    batch, or the whole batch (a lockstep loop that ends with its last sample) where an
+    iteration's fixed cost and its rows' moves (in rows, see
+    :class:`dyndepth._cost.IterationCost`) outweigh a quarter of its rows: refilling slots then
+    costs more in iterations and moves than it saves in rows."""
     if isinstance(slots, int):
         return slots
     if isinstance(slots, tuple):
         return slots[0]
-    if slots is None and fixed_rows >= batch / 4:
+    if slots is None and fixed_rows + moved_rows * batch / 4 >= batch / 4:
         return batch
     return math.ceil(batch / 4)
 
@@ -146,17 +174,24 @@ def executed_steps(lengths: jax.Array, slots: int) -> jax.Array:
     return slots * iterations(jnp.sum(lengths), jnp.max(lengths, initial=0), slots)
 
 
-def modeled_time(total: jax.Array, longest: jax.Array, slots: int, fixed_rows: float):
-    """The time model of :mod:`dyndepth._cost` in row-steps: ``C x (fixed_rows + slots)``."""
-    return iterations(total, longest, slots).astype(jnp.float32) * (fixed_rows + slots)
+def modeled_time(total: jax.Array, longest: jax.Array, slots: int, fixed_rows: float,
+                 moved_rows: float = 0.0, lockstep: bool = False):  # fmt: skip
+    """The time model of :mod:`dyndepth._cost` in row-steps: ``C x (fixed_rows + slots x (1 +
+    moved_rows))``, the moves left out in ``lockstep``."""
+    row = 1.0 if lockstep else 1.0 + moved_rows
+    return iterations(total, longest, slots).astype(jnp.float32) * (fixed_rows + slots * row)
 
 
-def choose_by_time(lengths: jax.Array, candidates: tuple[int, ...], fixed_rows: float):
+def choose_by_time(lengths: jax.Array, candidates: tuple[int, ...], fixed_rows: float,
+                   moved_rows: float = 0.0):  # fmt: skip
     """Index into ``candidates`` (descending) of the slot count of least modeled time (the
-    first, so the most slots, among equals)."""
+    first, so the most slots, among equals); a count of as many slots as ``lengths`` has rows
+    runs in lockstep, without moves."""
+    rows = lengths.shape[0]
     lengths = lengths.astype(jnp.int32)
     total, longest = jnp.sum(lengths), jnp.max(lengths, initial=0)
-    times = jnp.stack([modeled_time(total, longest, c, fixed_rows) for c in candidates])
+    times = jnp.stack([modeled_time(total, longest, c, fixed_rows, moved_rows, c >= rows)
+                       for c in candidates])  # fmt: skip
     return jnp.argmin(times).astype(jnp.int32)
 
 

@@ -123,7 +123,7 @@ def put(loop: Loop, store: dict, b: Any, i: jax.Array, carry: list, live: jax.Ar
     if "count" in store:
         store = _make_room(loop, store, b, i, live)
     elif b is None and jnp.ndim(i) == 0 and _cost.conditionals_on_device():
-        return _put_shared_step(store, i, carry, live)
+        return _put_shared_step(loop, store, i, carry, live)
     stride = at_slots([store["stride"]], b)[0]
     want = live & (i % stride == 0)
     k = (i // stride) if "count" not in store else at_slots([store["count"]], b)[0]
@@ -135,21 +135,26 @@ def put(loop: Loop, store: dict, b: Any, i: jax.Array, carry: list, live: jax.Ar
     return out
 
 
-def _put_shared_step(store: dict, i: jax.Array, carry: list, live: jax.Array) -> dict:
+def _put_shared_step(loop: Loop, store: dict, i: jax.Array, carry: list, live: jax.Array) -> dict:
     """:func:`put` for rows all at step ``i`` (lockstep) with strides known up front: the rows at
-    stride 1 write slot ``i``, one slice; the others, at their slot ``i // stride``, by a per-row
-    scatter, run only where some row's stride exceeds 1 (a conditional; not on a GPU, see
-    :func:`dyndepth._cost.conditionals_on_device`). A TPU ran such a scatter over the whole
-    store, relaid out, every iteration: a store sized by a generous ``max_depth`` cost 43 ms an
-    iteration at depth 3 (``benchmarks/README.md``, "An unused ``max_depth`` on the TPU v5e")."""
+    stride ``s`` (a power of two) all write slot ``i // s`` where ``s`` divides ``i``, so each
+    stride is one slice write masked to its rows (for ``s > 1`` a conditional, run where some
+    row has that stride; not on a GPU, see :func:`dyndepth._cost.conditionals_on_device`). No
+    per-row scatter: a TPU ran one over the whole store, relaid out, every iteration (a store
+    sized by a generous ``max_depth`` cost 43 ms an iteration at depth 3 on a v5e:
+    ``benchmarks/README.md``, "An unused ``max_depth`` on the TPU v5e")."""
     stride = store["stride"]
     buf = put_index(store["buf"], i, carry, live & (stride == 1))
-    deep = live & (stride > 1) & (i % stride == 0)
+    for e in range(1, max_stride(loop).bit_length()):
+        mine = live & (stride == 1 << e)
 
-    def scatter(buf):
-        return put_cells(buf, None, i // stride, carry, deep, 0)
+        def write(buf, e=e, mine=mine):
+            return put_index(buf, jax.lax.shift_right_logical(i, e), carry, mine)
 
-    return dict(store, buf=_vma.cond(jnp.any(stride > 1), scatter, lambda buf: buf, buf))
+        # (strides are powers of two: a shift and a mask, no division)
+        due = ((i & ((1 << e) - 1)) == 0) & jnp.any(stride == 1 << e)
+        buf = _vma.cond(due, write, lambda buf: buf, buf)
+    return dict(store, buf=buf)
 
 
 def fits_in_order(sched: Any, K: int, B: int) -> jax.Array:
@@ -233,13 +238,18 @@ def read_in_loop(store_buf: list, b: Any, k: jax.Array, t: jax.Array) -> list:
     the gather and out of the loop, onto the whole store: a second, bfloat16 copy of it and a
     pass over all of it on every call, whatever the depths (on a TPU v5e, 9.7 ms of the long
     tail's 83 ms with every carry stored, a 4 GiB store, and 2 GiB more memory:
-    ``benchmarks/README.md``). A slice (``b`` None, lockstep) stays in the loop as it is. (An
-    arithmetic zero would do too, but ``x - 0.0`` flushes a subnormal ``x`` on a CPU.)"""
+    ``benchmarks/README.md``). A slice (``b`` None, lockstep) stays in the loop as it is,
+    except where its layout is not the step's and the store is large
+    (:func:`dyndepth._cost.rows_on_lanes`: on a TPU v5e, B=4096 carries of 16 floats
+    under a ``max_depth`` of 10,000 took 15 ms a call, 14 of them converting a 2 GiB store into
+    8 GiB before the loop). (An arithmetic zero would do too, but ``x - 0.0`` flushes a
+    subnormal ``x`` on a CPU.)"""
     cells = read(store_buf, b, k)
-    if b is None:
-        return cells
     zero = jax.lax.shift_right_logical(t, jnp.asarray(31, t.dtype))  # (t >= 0: its sign bit)
-    return [_or_bits(c, zero) if jnp.issubdtype(c.dtype, jnp.floating) else c for c in cells]
+    hide = [jnp.issubdtype(x.dtype, jnp.floating)
+            and (b is not None or _cost.rows_on_lanes(x.shape, x.dtype))
+            for x in store_buf]  # fmt: skip
+    return [_or_bits(c, zero) if h else c for c, h in zip(cells, hide, strict=True)]
 
 
 @jax.custom_jvp

@@ -19,21 +19,37 @@ def test_lines_of_a_known_cost_give_it_back(seed):
         flops_per_second=float(rng.uniform(1e10, 1e15)),
         row_floor_seconds=float(rng.uniform(1e-9, 1e-7)),
         bytes_per_second=float(rng.uniform(1e9, 1e13)),
+        moved_row_seconds=float(rng.choice([0.0, rng.uniform(1e-9, 5e-8)])),
     )
-    slots = _calibrate.slot_counts(int(rng.choice([128, 512, 4096])))
+    batch = int(rng.choice([128, 512, 4096]))
+    slots = _calibrate.slot_counts(batch)
     row_flops, weight_bytes = float(rng.uniform(1e3, 1e9)), float(rng.uniform(1e4, 1e8))
-    floor = [want.fixed_seconds + s * want.row_floor_seconds for s in slots]
+    moved = want.moved_row_seconds
+    floor = [want.fixed_seconds + s * (want.row_floor_seconds + moved) for s in slots]
     fixed_mm = want.fixed_seconds + weight_bytes / want.bytes_per_second
-    matmul = [fixed_mm + s * row_flops / want.flops_per_second for s in slots]
-    got = _calibrate.cost_of_lines(slots, floor, matmul, row_flops, weight_bytes)
+    row = row_flops / want.flops_per_second
+    matmul = [fixed_mm + s * (row + moved) for s in slots]
+    lockstep = fixed_mm + batch * row  # (every row at one shared step: no moves)
+    got = _calibrate.cost_of_lines(slots, floor, matmul, lockstep, row_flops, weight_bytes)
     for field in ("fixed_seconds", "flops_per_second", "row_floor_seconds", "bytes_per_second"):
         assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-6), field
+    assert got.moved_row_seconds == pytest.approx(moved, rel=1e-6, abs=1e-15)
 
 
 def test_weights_that_cost_nothing_read_at_an_infinite_rate():
     slots = _calibrate.slot_counts(512)
     line = [1e-6 + s * 1e-8 for s in slots]
-    assert _calibrate.cost_of_lines(slots, line, line, 1e3, 1e6).bytes_per_second == np.inf
+    got = _calibrate.cost_of_lines(slots, line, line, 1e-6 + 512 * 1e-8, 1e3, 1e6)
+    assert got.bytes_per_second == np.inf and got.moved_row_seconds == pytest.approx(0.0, abs=1e-15)
+
+
+def test_a_lockstep_row_slower_than_a_scheduled_one_moves_nothing():
+    """Noise can make the lockstep run's row cost more than the scheduled line's slope: no
+    negative moves, no negative floor."""
+    slots = _calibrate.slot_counts(512)
+    line = [1e-6 + s * 1e-8 for s in slots]
+    got = _calibrate.cost_of_lines(slots, line, line, 1e-6 + 512 * 2e-8, 1e3, 1e6)
+    assert got.moved_row_seconds == 0.0 and got.row_floor_seconds == pytest.approx(1e-8)
 
 
 def test_fit_line_clamps_what_noise_tilts_below_zero():
@@ -47,8 +63,8 @@ def test_measured_cost_is_usable_by_the_slot_rule():
     set_iteration_cost, after which a loop's fixed cost in rows follows them."""
     cost = dyndepth.measure_iteration_cost(batch=128, width=16, depth=2, repeats=1)
     assert isinstance(cost, dyndepth.IterationCost)
-    assert cost.fixed_seconds >= 0 and cost.flops_per_second > 0 and cost.row_floor_seconds > 0
-    assert cost.bytes_per_second > 0
+    assert cost.fixed_seconds >= 0 and cost.flops_per_second > 0 and cost.row_floor_seconds >= 0
+    assert cost.bytes_per_second > 0 and cost.moved_row_seconds >= 0
     platform = jax.default_backend()
     suite_cost = _cost.backend_cost(platform)  # (tests/conftest.py's, which the suite runs on)
     try:

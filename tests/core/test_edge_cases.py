@@ -317,7 +317,7 @@ def test_fewest_held_is_the_least_memory(length):
     assert held[k] <= 4 * round(length ** (1 / 3)) + 4
 
 
-def _traced_loop(width: int, matmuls: int, max_depth: int):
+def _traced_loop(width: int, matmuls: int, max_depth: int, slots=None):
     """The Loop dyndepth traces for a step of ``matmuls`` (width x width) products on a
     (width,) float32 carry."""
     from dyndepth._trace import StepKind, trace_loop
@@ -332,7 +332,7 @@ def _traced_loop(width: int, matmuls: int, max_depth: int):
     kind = StepKind(with_x=False, with_key=False, with_stacked=False, returns_y=False)
     traced = trace_loop(
         kind, step, None, jnp.zeros(width), None, None, None, None,
-        max_steps=max_depth, checkpoints=None, strategy="auto", slots=None,
+        max_steps=max_depth, checkpoints=None, strategy="auto", slots=slots,
     )  # fmt: skip
     return traced.loop
 
@@ -340,7 +340,8 @@ def _traced_loop(width: int, matmuls: int, max_depth: int):
 @pytest.mark.parametrize(
     ("width", "matmuls", "rows", "max_depth", "platform"),
     [(16, 1, 64, 100, "cpu"), (16, 1, 4096, 10**5, "cpu"), (16, 1, 4096, 10**5, "gpu"),
-     (2048, 8, 64, 1024, "cpu"), (2048, 8, 4096, 4096, "gpu"), (2048, 1, 1, 30, "cpu")],
+     (2048, 8, 64, 1024, "cpu"), (2048, 8, 4096, 4096, "gpu"), (2048, 1, 1, 30, "cpu"),
+     (16, 1, 4096, 2000, "tpu"), (16, 1, 64, 1000, "tpu"), (2048, 8, 4096, 4096, "tpu")],
 )  # fmt: skip
 def test_checkpoints_use_the_budget(width, matmuls, rows, max_depth, platform):
     """``checkpoints=None`` stores every carry while two copies fit the budget, else as many
@@ -358,7 +359,7 @@ def test_checkpoints_use_the_budget(width, matmuls, rows, max_depth, platform):
     finally:
         dd.set_iteration_cost("cpu", TEST_COST)
     carry = width * 4
-    fits = _budget.DEFAULT_BUDGET // (2 * rows * carry)
+    fits = _budget.DEFAULT_BUDGET // (2 * rows * _budget.stored_bytes(loop, rows, platform))
     bound = min(fits, _budget.SMALL_STORE) if cheap else fits
     if max_depth <= bound:
         assert k is None
@@ -368,6 +369,26 @@ def test_checkpoints_use_the_budget(width, matmuls, rows, max_depth, platform):
             assert 2 * rows * k * carry <= _budget.DEFAULT_BUDGET
     # a tiny step on the CPU: recomputing is the cheaper; the GPU's memory is written at speed
     assert cheap == (platform == "cpu" and matmuls == 1 and width == 16)
+
+
+def test_the_budget_counts_a_tpu_store_padded_to_the_lanes():
+    """On a TPU, a loop that may run scheduled counts each carry's last dimension padded to
+    the 128 lanes (16 floats take 512 bytes: the TPU compiler may lay a wrap-around pass's
+    store out so); a loop that runs in lockstep there (a tiny step, whose rows' moves cost more
+    than any count saves), or any loop elsewhere, counts it as it is."""
+    from dyndepth import _budget, _slots
+
+    tiny, given = _traced_loop(16, 1, 1000), _traced_loop(16, 1, 1000, slots=32)
+    wide = _traced_loop(256, 1, 1000, slots=32)
+    assert not _slots.may_run_scheduled(tiny, 4096, "tpu")
+    assert _slots.may_run_scheduled(tiny, 4096, "cpu") and _slots.may_run_scheduled(
+        given, 4096, "tpu"
+    )
+    assert _budget.stored_bytes(tiny, 4096, "tpu") == _budget.stored_bytes(tiny, 4096, "cpu") == 64
+    assert _budget.stored_bytes(given, 4096, "tpu") == 512
+    assert _budget.stored_bytes(given, 4096, "gpu") == 64
+    assert _budget.stored_bytes(wide, 4096, "tpu") == 1024
+    assert not _slots.may_run_scheduled(given, 1, "tpu")
 
 
 def test_the_budget_defaults_to_a_quarter_of_a_device_and_can_be_set(monkeypatch):

@@ -309,6 +309,57 @@ def test_cells_the_store_leaves_unset_are_never_used(monkeypatch, loop, checkpoi
     np.testing.assert_allclose(g_xs, jnp.stack([g[1] for _, g in want]), rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("checkpoints", [None, 2])
+@pytest.mark.parametrize("depths, fits", [([16, 1, 1, 1, 1, 1, 1, 1], False),
+                                          ([2, 1, 2, 1, 2, 1, 2, 1], True)])  # fmt: skip
+def test_a_store_laid_out_by_rows_is_read_whole_and_never_scattered(monkeypatch, checkpoints,
+                                                                    depths, fits):  # fmt: skip
+    """A store the platform lays out with its rows along the lanes (a TPU's large store of
+    narrow carries, ``_cost.rows_on_lanes``, made true here): the lockstep pass reads each
+    slot's slice through or'ed bits, and a thinned store's forward pass runs in lockstep
+    unless its wrap-around schedule writes the store in schedule order (a block per
+    iteration, no scatter). Values and gradients those of plain Python (the store filled with
+    NaN); the forward pass executes B x max(depths) sample-steps where the thinned store does
+    not fit in order, and fewer where it does (or every carry is stored)."""
+    from dyndepth import _cost, _sharding
+
+    monkeypatch.setattr(_sharding, "blank", _poisoned_blank)
+    W = jax.random.normal(jax.random.PRNGKey(3), (3, 3)) / 3
+    xs = jax.random.normal(jax.random.PRNGKey(4), (8, 3))
+    depths = jnp.asarray(depths)
+
+    def step(W, c):
+        return c + 0.5 * jnp.tanh(c @ W)
+
+    def loss(W, xs):
+        out, stats = dd.repeat_batched(lambda c: step(W, c), xs, depths, max_depth=16,
+                                       checkpoints=checkpoints, return_stats=True)  # fmt: skip
+        return jnp.sum(out**2), stats["executed_sample_steps"]
+
+    def plain(W, x, d):
+        for _ in range(int(d)):
+            x = step(W, x)
+        return jnp.sum(x**2)
+
+    run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    (_, free), _ = run(W, xs)
+    monkeypatch.setattr(_cost, "rows_on_lanes", lambda shape, dtype: True)
+    (value, executed), (g_W, g_xs) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1),
+                                                                has_aux=True))(W, xs)  # fmt: skip
+    want = [
+        jax.value_and_grad(plain, argnums=(0, 1))(W, x, d) for x, d in zip(xs, depths, strict=True)
+    ]
+    np.testing.assert_allclose(value, sum(v for v, _ in want), rtol=2e-5)
+    np.testing.assert_allclose(g_W, sum(g[0] for _, g in want), rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(g_xs, jnp.stack([g[1] for _, g in want]), rtol=2e-5, atol=1e-6)
+    lockstep = 8 * int(jnp.max(depths))
+    assert int(free) < lockstep  # (scheduled where the rows' layout does not matter)
+    if checkpoints is None or fits:
+        assert int(executed) == int(free)
+    else:
+        assert int(executed) == lockstep
+
+
 @pytest.mark.parametrize("batched", [True, False])
 @pytest.mark.parametrize("checkpoints", [None, 2])
 def test_cells_left_unset_are_never_used_in_second_order(monkeypatch, batched, checkpoints):

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _checks
-from ._leaves import nbytes
 from ._cost import IterationCost, jaxpr_flops
+from ._leaves import nbytes
 from ._loop import repeat_batched
 
 

@@ -58,7 +58,8 @@ def measure_iteration_cost(
                 return (t(f, 2 * depth, S) - t(f, depth, S)) / (it(2 * depth, S) - it(depth, S))
             fixed, floor_slope = fit_line(slots, [per_iteration(add, S) for S in slots])
             fixed_mat, slope = fit_line(slots, [per_iteration(mat, S) for S in slots])
-            row = (per_iteration(mat, batch) - fixed_mat) / batch   # lockstep: no moves
+            half = [batch // 2, batch]                 # lockstep (no moves), 8x the depth
+            row = fit_line(half, [per_iteration(mat[:rows], rows) for rows in half])[1]
             moved = slope - row
             return IterationCost(fixed_seconds=fixed, flops_per_second=flops(mat) / row,
                                  row_floor_seconds=floor_slope - moved,
@@ -66,17 +67,20 @@ def measure_iteration_cost(
                                  moved_row_seconds=moved)
 
     ``fit_line`` is a least-squares line (intercept, slope), clamped to be non-negative (the
-    slope to at least 1e-15 s); ``row`` is clamped likewise, ``moved`` and the floor to at
-    least 0. What a scheduled row costs beyond a lockstep one (``moved``: the row's data moved
-    in and out of its slot) is read from the matrix product, whose lockstep run (``S =
-    batch``: one shared step, slices) gives the step's own cost per row.
+    slope to at least 1e-15 s); ``moved`` and the floor are clamped to at least 0, and a
+    lockstep line without a measurable slope (noise) leaves the moves unmeasured (``row =
+    slope``, ``moved = 0``). What a
+    scheduled row costs beyond a lockstep one (``moved``: the row's data moved in and out of
+    its slot) is read from the matrix product, whose lockstep runs (``S`` = the rows: one
+    shared step, slices; over half the batch and all of it, ``mat[:rows]`` the step on the
+    first rows) give the step's own cost per row.
 
     Use it once per machine, before the first call of a jitted function (a compiled one keeps
     its slot counts)::
 
         dyndepth.set_iteration_cost(jax.default_backend(), dyndepth.measure_iteration_cost())
 
-    It takes about ten seconds on a CPU at the defaults (eleven small programs compiled and
+    It takes about ten seconds on a CPU at the defaults (twelve small programs compiled and
     timed), and should run on a quiet machine: timing noise moves the figures from run to run
     (on a 2-core CPU, the fixed cost by about a quarter). It runs eagerly (it times compiled
     calls), not under a transformation.
@@ -104,25 +108,34 @@ def measure_iteration_cost(
 
     row_flops = jaxpr_flops(jax.make_jaxpr(matmul_step)(jnp.zeros((width,), jnp.float32)).jaxpr)
     floor, matmul = per_iteration(floor_step, FLOOR_WIDTH), per_iteration(matmul_step, width)
+    # (lockstep over half the batch and all of it: the slope is a row's cost, whatever a
+    # lockstep iteration's fixed part; LOCKSTEP_DEPTHS times the steps, so that the few
+    # iterations of a lockstep run add up to a measurable time)
     x = jax.random.normal(key_x, (batch, width), jnp.float32)
-    lockstep = _seconds_per_iteration(matmul_step, x, depth, batch, repeats)
+    lockstep = [(rows, _seconds_per_iteration(matmul_step, x[:rows], LOCKSTEP_DEPTHS * depth,
+                                              rows, repeats))
+                for rows in (batch // 2, batch)]  # fmt: skip
     return cost_of_lines(slots, floor, matmul, lockstep, row_flops, nbytes([W]))
 
 
-def cost_of_lines(slots, floor_seconds, matmul_seconds, lockstep_seconds: float,
+# How many times the scheduled runs' steps the lockstep runs take (see measure_iteration_cost).
+LOCKSTEP_DEPTHS = 8
+
+
+def cost_of_lines(slots, floor_seconds, matmul_seconds, lockstep_seconds: list[tuple],
                   row_flops: float, weight_bytes: float) -> IterationCost:  # fmt: skip
     """The :class:`IterationCost` of an iteration's measured seconds at each slot count, for
     the elementwise step (``floor_seconds``) and the matrix product of ``row_flops``
     operations per row and ``weight_bytes`` of weights (``matmul_seconds``), and of the matrix
-    product's lockstep iteration over all ``B`` rows (``lockstep_seconds``, ``B`` twice the
-    largest count timed). What the matrix product's iteration costs beyond
-    the elementwise one's, whatever its rows, is reading the weights (none: an infinite
-    rate); what its scheduled row costs beyond its lockstep row, moving the row in and out of
-    its slot."""
+    product's lockstep iteration over a number of rows (``lockstep_seconds``: ``(rows,
+    seconds)`` pairs). What the matrix product's iteration costs beyond the elementwise one's,
+    whatever its rows, is reading the weights (none: an infinite rate); what its scheduled row
+    costs beyond its lockstep row, moving the row in and out of its slot."""
     fixed, floor_slope = fit_line(slots, floor_seconds)
     fixed_mm, slope = fit_line(slots, matmul_seconds)
-    batch = 2 * max(slots)
-    row = max((lockstep_seconds - fixed_mm) / batch, 1e-15)
+    row = fit_line(*zip(*lockstep_seconds, strict=True))[1]
+    if row <= 1e-15:  # (no measurable slope: timing noise; the moves are not measured)
+        row = slope
     moved = max(slope - row, 0.0)
     extra = fixed_mm - fixed
     return IterationCost(

@@ -29,7 +29,8 @@ def test_lines_of_a_known_cost_give_it_back(seed):
     fixed_mm = want.fixed_seconds + weight_bytes / want.bytes_per_second
     row = row_flops / want.flops_per_second
     matmul = [fixed_mm + s * (row + moved) for s in slots]
-    lockstep = fixed_mm + batch * row  # (every row at one shared step: no moves)
+    # (every row at one shared step, no moves; a lockstep iteration's fixed part its own)
+    lockstep = [(r, 0.6 * fixed_mm + r * row) for r in (batch // 2, batch)]
     got = _calibrate.cost_of_lines(slots, floor, matmul, lockstep, row_flops, weight_bytes)
     for field in ("fixed_seconds", "flops_per_second", "row_floor_seconds", "bytes_per_second"):
         assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-6), field
@@ -39,7 +40,8 @@ def test_lines_of_a_known_cost_give_it_back(seed):
 def test_weights_that_cost_nothing_read_at_an_infinite_rate():
     slots = _calibrate.slot_counts(512)
     line = [1e-6 + s * 1e-8 for s in slots]
-    got = _calibrate.cost_of_lines(slots, line, line, 1e-6 + 512 * 1e-8, 1e3, 1e6)
+    lockstep = [(256, 1e-6 + 256 * 1e-8), (512, 1e-6 + 512 * 1e-8)]
+    got = _calibrate.cost_of_lines(slots, line, line, lockstep, 1e3, 1e6)
     assert got.bytes_per_second == np.inf and got.moved_row_seconds == pytest.approx(0.0, abs=1e-15)
 
 
@@ -48,8 +50,13 @@ def test_a_lockstep_row_slower_than_a_scheduled_one_moves_nothing():
     negative moves, no negative floor."""
     slots = _calibrate.slot_counts(512)
     line = [1e-6 + s * 1e-8 for s in slots]
-    got = _calibrate.cost_of_lines(slots, line, line, 1e-6 + 512 * 2e-8, 1e3, 1e6)
+    got = _calibrate.cost_of_lines(slots, line, line, [(256, 1e-6), (512, 1e-6 + 256 * 2e-8)],
+                                   1e3, 1e6)  # fmt: skip
     assert got.moved_row_seconds == 0.0 and got.row_floor_seconds == pytest.approx(1e-8)
+    # A lockstep line that noise tilts flat or down: the moves are not measured.
+    for noisy in ([(256, 2e-6), (512, 2e-6)], [(256, 3e-6), (512, 2e-6)]):
+        got = _calibrate.cost_of_lines(slots, line, line, noisy, 1e3, 1e6)
+        assert got.moved_row_seconds == 0.0 and got.flops_per_second == pytest.approx(1e3 / 1e-8)
 
 
 def test_fit_line_clamps_what_noise_tilts_below_zero():

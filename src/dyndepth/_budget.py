@@ -141,15 +141,15 @@ def stored_bytes(loop: Loop, rows: int, platform: str | None = None) -> int:
     """Bytes one stored carry of ``loop`` over ``rows`` rows may take on ``platform`` (by
     default the one the loop is traced on, as :func:`_recompute_is_cheaper`): on a TPU, where
     the loop may run scheduled (:func:`dyndepth._slots.may_run_scheduled`), each array's last
-    dimension padded to the lanes (:func:`dyndepth._cost.lane_padded`), since the TPU compiler
-    may lay such a loop's store out with the carry's last dimension along them (compiled for a
-    TPU v5e, value_and_grad over B=4096 carries of 16 floats, 6000 stored per sample in
-    wrap-around slot counts, held 15 GiB of temporary memory for a 1.5 GiB store); a lockstep
-    loop keeps its rows along the lanes. Elsewhere :func:`dyndepth._leaves.nbytes`."""
+    dimension padded to the lanes (:func:`dyndepth._cost.lane_padded_bytes`), since the TPU
+    compiler may lay such a loop's store out with the carry's last dimension along them
+    (compiled for a TPU v5e, value_and_grad over B=4096 carries of 16 floats, 6000 stored per
+    sample in wrap-around slot counts, held 15 GiB of temporary memory for a 1.5 GiB store); a
+    lockstep loop keeps its rows along the lanes. Elsewhere :func:`dyndepth._leaves.nbytes`."""
     platform = platform or jax.default_backend()
     if platform != "tpu" or not _slots.may_run_scheduled(loop, rows, platform):
         return nbytes(loop.carry_avals)
-    return sum(math.prod(_cost.lane_padded(a.shape)) * a.dtype.itemsize for a in loop.carry_avals)
+    return sum(_cost.lane_padded_bytes(a.shape, a.dtype.itemsize) for a in loop.carry_avals)
 
 
 def _recompute_is_cheaper(loop: Loop, carry_bytes: int, platform: str | None) -> bool:

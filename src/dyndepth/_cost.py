@@ -149,12 +149,12 @@ TPU_LANES = 128
 _MOVE_WORTH_A_KERNEL = 64 * 2**20
 
 
-def lane_padded(shape: tuple) -> tuple:
-    """``shape`` with its last dimension rounded up to a TPU's lanes (a scalar's shape as it
-    is)."""
+def lane_padded_bytes(shape: tuple, itemsize: int) -> int:
+    """Bytes of an array of ``shape`` with its last dimension rounded up to a TPU's lanes (a
+    scalar as it is)."""
     if not shape:
-        return tuple(shape)
-    return (*shape[:-1], -(-shape[-1] // TPU_LANES) * TPU_LANES)
+        return itemsize
+    return math.prod(shape[:-1]) * (-(-shape[-1] // TPU_LANES) * TPU_LANES) * itemsize
 
 
 def rows_on_lanes(shape: tuple, dtype: Any) -> bool:
@@ -169,8 +169,7 @@ def rows_on_lanes(shape: tuple, dtype: Any) -> bool:
     avoiding it (a kernel every iteration)."""
     if current_platform() != "tpu" or len(shape) < 3 or shape[-1] % TPU_LANES == 0:
         return False
-    padded = math.prod(lane_padded(shape)) * np.dtype(dtype).itemsize
-    return padded > _MOVE_WORTH_A_KERNEL
+    return lane_padded_bytes(shape, np.dtype(dtype).itemsize) > _MOVE_WORTH_A_KERNEL
 
 
 def backend_cost(platform: str | None = None) -> IterationCost:

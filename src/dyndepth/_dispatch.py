@@ -270,10 +270,13 @@ def _forward_pick(loop: Loop, rule: _slots.SlotRule, n: jax.Array, store: bool,
     if not (store and loop.thinning and in_order == "where it fits" and on_lanes):
         return choice
     total, longest = jnp.sum(n), jnp.max(n, initial=0)
-    fits = [S >= rows or (rows % S == 0 and _slots.iterations(total, longest, S) <= K * (rows // S))
-            for S in rule.candidates]  # fmt: skip
-    return jnp.where(jnp.stack([jnp.asarray(f) for f in fits])[choice], choice,
-                     rule.candidates.index(rows))  # fmt: skip
+
+    def fits(S):
+        iterations = _slots.iterations(total, longest, S)
+        return S >= rows or (rows % S == 0 and _store.fits_in_order(iterations, S, K, rows))
+
+    ok = jnp.stack([jnp.asarray(fits(S)) for S in rule.candidates])
+    return jnp.where(ok[choice], choice, rule.candidates.index(rows))
 
 
 def _store_in_order() -> str | None:

@@ -140,7 +140,7 @@ def _writer(loop: Loop, sched: Any, B: int, in_order: str | None) -> tuple:
         return ordered, True
     if in_order != "where it fits":
         return per_sample, False
-    fits = _store.fits_in_order(sched, loop.slots_stored, B)
+    fits = _store.fits_in_order(sched.iterations, sched.slots, loop.slots_stored, B)
 
     def either(store, t, view, carry):
         return _vma.cond(fits, lambda st: ordered(st, t, view, carry),

@@ -116,9 +116,8 @@ class SlotRule:
         """The rule of ``loop`` over ``batch`` rows, its step's fixed cost in rows read from the
         default backend's costs (``consts`` with axis ``None`` in ``c_axes``: the weights every
         iteration reads once), its ladder from the step's size."""
-        size = _cost.jaxpr_equations(loop.step_jaxpr.jaxpr)
-        moved = _cost.backend_cost().moved_rows(_cost.jaxpr_flops(loop.step_jaxpr.jaxpr))
-        return SlotRule.of(loop.slots, batch, fixed_rows(loop, consts, c_axes), size, moved)
+        shared = nbytes([c for c, ax in zip(consts, c_axes, strict=True) if ax is None])
+        return _rule_of(loop, batch, _cost.backend_cost(), shared)
 
     def choose(self, lengths: jax.Array) -> jax.Array:
         if self.fixed_rows is None:
@@ -132,18 +131,18 @@ def may_run_scheduled(loop: Loop, rows: int, platform: str) -> bool:
     the step's shared weights, which only shorten it)."""
     if loop.strategy != "auto" or rows <= 1:
         return False
-    cost = _cost.backend_cost(platform)
+    return _rule_of(loop, rows, _cost.backend_cost(platform)).candidates[-1] < rows
+
+
+def _rule_of(loop: Loop, batch: int, cost: _cost.IterationCost,
+             shared_bytes: int = 0) -> SlotRule:  # fmt: skip
+    """The rule of ``loop``'s ``slots`` argument over ``batch`` rows under ``cost``: an
+    iteration's fixed cost and a row's moves in rows of the step, whose shared operands
+    (``shared_bytes``) every iteration reads once."""
     flops = _cost.jaxpr_flops(loop.step_jaxpr.jaxpr)
     size = _cost.jaxpr_equations(loop.step_jaxpr.jaxpr)
-    rule = SlotRule.of(loop.slots, rows, cost.fixed_rows(flops), size, cost.moved_rows(flops))
-    return rule.candidates[-1] < rows
-
-
-def fixed_rows(loop: Loop, consts, c_axes) -> float:
-    """An iteration's fixed cost in rows of ``loop``'s step on the platform a kernel is traced
-    for, the step's consts shared by the rows (axis ``None``) read once per iteration."""
-    shared = nbytes([c for c, ax in zip(consts, c_axes, strict=True) if ax is None])
-    return _cost.backend_cost().fixed_rows(_cost.jaxpr_flops(loop.step_jaxpr.jaxpr), shared)
+    fixed = cost.fixed_rows(flops, shared_bytes)
+    return SlotRule.of(loop.slots, batch, fixed, size, cost.moved_rows(flops))
 
 
 def refill_slots(slots: int | tuple[int, ...] | str | None, batch: int,

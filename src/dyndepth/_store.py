@@ -157,10 +157,10 @@ def _put_shared_step(loop: Loop, store: dict, i: jax.Array, carry: list, live: j
     return dict(store, buf=buf)
 
 
-def fits_in_order(sched: Any, K: int, B: int) -> jax.Array:
-    """Whether the wrap-around schedule ``sched``'s iterations fit a store of ``K`` slots of
-    ``B`` rows in schedule order."""
-    return sched.iterations <= K * (B // sched.slots)
+def fits_in_order(iterations: Any, slots: int, K: int, B: int) -> Any:
+    """Whether a wrap-around schedule of ``iterations`` in ``slots`` slots fits a store of ``K``
+    slots of ``B`` rows in schedule order."""
+    return iterations <= K * (B // slots)
 
 
 def put_in_order(store: dict, t: jax.Array, carry: list, slots: int) -> dict:

@@ -132,7 +132,7 @@ def test_a_store_in_schedule_order_holds_every_carry_where_it_fits(lengths, slot
     sched = Wrap.of(jnp.asarray(lengths, jnp.int32), slots)
     S, C = sched.slots, int(sched.iterations)
     fits = C <= K * (B // S)
-    assert bool(_store.fits_in_order(sched, K, B)) == fits
+    assert bool(_store.fits_in_order(sched.iterations, S, K, B)) == fits
     store = {"buf": [jnp.full((K, B), -1, jnp.int32)]}
     state, ran = sched.start([]), {}
     for t in range(C):

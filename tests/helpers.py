@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Any
@@ -20,6 +21,18 @@ import numpy as np
 import pytest
 from jax import lax
 from shared_lists import CHECKPOINTING_STRATEGIES
+
+# ----------------------------------------------------------------------------- compiled loops
+
+
+def dyndepth_loops(hlo: str) -> dict[str, int]:
+    """How many while loops of a compiled program's text dyndepth's batched kernels make,
+    forward and backward (named in the ``dyndepth_forward`` / ``dyndepth_backward`` scope, or a
+    slot count's within it; loops in their bodies, such as a step's own, left out)."""
+    name = r"dyndepth_(forward|backward)(?:/dyndepth_slots_\d+)?/while\""
+    loops = re.findall(r"= \(.*\) while\(.*op_name=\"[^\"]*" + name, hlo)
+    return {d: loops.count(d) for d in ("forward", "backward")}
+
 
 # ----------------------------------------------------------------------------- subprocesses
 

@@ -113,15 +113,18 @@ def rows_vjp(loop: Loop, pert: Perturbed, consts, c_axes, carry, x, key, ct_c, c
     return g_k, g_c, g_x
 
 
-def const_accumulators(pert: Perturbed, consts, c_axes, B, per_row):
-    """Zero accumulators for the perturbed consts' cotangents (see :func:`rows_vjp`)."""
-    out = []
+def cotangent_state(pert: Perturbed, consts, c_axes, xs, ct_carry, B: int, per_row) -> dict:
+    """A backward pass's loop state before its first step: the carries' cotangents ``cur``
+    (``ct_carry``), and zero accumulators for the perturbed consts' (``acc``, see
+    :func:`rows_vjp`; ``B`` rows) and the perturbed xs' (``ct_xs``, with a row axis)."""
+    acc = []
     for c, ax in zip(take(consts, pert.consts), take(c_axes, pert.consts), strict=True):
         if ax is None and per_row:
-            out.append(_sharding.zeros((B,), _sharding.typed_aval(c)))
+            acc.append(_sharding.zeros((B,), _sharding.typed_aval(c)))
         else:
-            out.append(jnp.zeros_like(c))
-    return out
+            acc.append(jnp.zeros_like(c))
+    ct_xs = [jnp.zeros_like(a) for a in take(xs, pert.xs)]
+    return dict(cur=list(ct_carry), acc=acc, ct_xs=ct_xs)
 
 
 def backward(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, steps, ct_carry, ct_ys,
@@ -129,9 +132,9 @@ def backward(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, steps, ct
     """The reverse sweep of :func:`forward` from its stored carries. ``ct_carry``/``ct_ys``
     hold the perturbed leaves only.
 
-    Returns cotangents ``(consts, init, xs)`` of the perturbed leaves (a shared const's summed
-    over the rows, or per row with ``per_row``). ``x_axes``: per xs leaf, 0 (a row axis, the
-    default) or None (shared by the rows, read at each row's step, never broadcast)."""
+    Returns the cotangents after it (:func:`cotangent_state`: a shared const's summed over the
+    rows, or per row with ``per_row``). ``x_axes``: per xs leaf, 0 (a row axis, the default) or
+    None (shared by the rows, read at each row's step, never broadcast)."""
     buf, stride = res
     B = steps.shape[0]
     S = _store.max_stride(loop)
@@ -150,28 +153,24 @@ def backward(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, steps, ct
         x = xs_at(idx)
         ct_y = _store.cells(ct_ys, None, idx, 1)
         g_k, g_c, g_x = rows_vjp(loop, pert, consts, c_axes, state_c, x, loop.key_at(kd, idx),
-                                 s["ct"], ct_y, act, per_row=per_row)  # fmt: skip
+                                 s["cur"], ct_y, act, per_row=per_row)  # fmt: skip
         s = dict(s)
         s["acc"] = [a + g for a, g in zip(s["acc"], g_k, strict=True)]
-        s["ct"] = where_rows(act, g_c, s["ct"])
+        s["cur"] = where_rows(act, g_c, s["cur"])
         s["ct_xs"] = _store.put_cells(s["ct_xs"], None, idx, g_x, act, 1)
         return s
 
-    state = dict(
-        r=jnp.zeros((), jnp.int32),
-        ct=list(ct_carry),
-        acc=const_accumulators(pert, consts, c_axes, B, per_row),
-        ct_xs=[jnp.zeros_like(a) for a in take(xs, pert.xs)],  # (perturbed xs have a row axis)
-    )
+    state = cotangent_state(pert, consts, c_axes, xs, ct_carry, B, per_row)
+    start = dict(state, r=jnp.zeros((), jnp.int32))
     # One segment's recomputed carries, allocated once for every segment; a long segment
     # recomputes its sub-checkpoints first (``lb1``), then each sub-segment into ``lb``. Both
     # are step-major, (position, row, ...): every row writes and reads one shared position
     # per iteration, a contiguous slice.
     inner, sub = recompute_slots(S)
     if S > 1:
-        state["lb"] = [_sharding.zeros((inner, B), a) for a in loop.carry_avals]
+        start["lb"] = [_sharding.zeros((inner, B), a) for a in loop.carry_avals]
     if sub:
-        state["lb1"] = [_sharding.zeros((sub, B), a) for a in loop.carry_avals]
+        start["lb1"] = [_sharding.zeros((sub, B), a) for a in loop.carry_avals]
 
     def segment_body(s):
         j = nseg - 1 - s["r"]
@@ -190,8 +189,8 @@ def backward(loop: Loop, pert: Perturbed, consts, c_axes, xs, kd, res, steps, ct
         s["r"] = s["r"] + 1
         return s
 
-    out = _vma.while_loop(lambda s: s["r"] < rounds, segment_body, state)
-    return out["acc"], out["ct"], out["ct_xs"]
+    out = _vma.while_loop(lambda s: s["r"] < rounds, segment_body, start)
+    return {k: out[k] for k in state}
 
 
 def backward_iterations(loop: Loop, steps: jax.Array, stride: jax.Array) -> jax.Array:

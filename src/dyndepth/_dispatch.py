@@ -51,6 +51,7 @@ from ._operands import (
 )
 from ._per_device import Across, partitioning, per_device, samples_keep_columns
 from ._residuals import ResidualPlan
+from ._schedule import ALONE, Turn
 from ._step import Loop
 from ._store import ROW_AXIS
 
@@ -226,34 +227,33 @@ def _forward_kernel(loop: Loop, ops: LoopOperands, axes: LoopOperands, per_sampl
                     store: bool) -> tuple:  # fmt: skip
     """How a batch of rows runs forward: in lockstep, or, under ``"auto"`` with per-sample
     steps, on the wrap-around schedule in a slot count chosen at run time (known depths) or by
-    continuous batching (a stop predicate). Returns the kernel's outputs, the iterations last
-    paired with the slot count."""
+    continuous batching (a stop predicate). Returns :func:`dyndepth._kernels.forward_outputs`."""
     rows = ops.n.shape[0]
     if not (per_sample and _schedulable(loop, rows)):
-        return _paired(_kernels.lockstep(loop, ops, axes, store=store), rows)
+        return _kernels.forward_outputs(*_kernels.lockstep(loop, ops, axes, store=store))
     if loop.cond_jaxpr is not None:
         # Stopping steps are unknown before the loop runs: continuous batching in a quarter of
         # the rows, all of them where iterations cost more than rows (or the given slots).
         rule = _slots.SlotRule.for_loop(loop, rows, ops.consts, axes.consts)
         slots = _slots.refill_slots(loop.slots, rows, rule.fixed_rows, rule.moved_rows)
         if slots >= rows:
-            return _paired(_kernels.lockstep(loop, ops, axes, store=store), rows)
+            return _kernels.forward_outputs(*_kernels.lockstep(loop, ops, axes, store=store))
         holds = _kernels.stop_predicate(loop, ops.cconsts, axes.cconsts)
         sched = _schedule.Refill(slots, ops.n, holds, *_refill_order(loop, ops, axes, holds))
-        return _paired(_kernels.forward(loop, ops, axes, sched, store=store), slots)
+        return _kernels.forward_outputs(*_kernels.forward(loop, ops, axes, sched, store=store))
     n = ops.n.astype(jnp.int32)
     strides = _store.strides_for(n, loop.slots_stored) if store else None
     in_order = _store_in_order()
 
-    def run(S):
+    def run(S, turn):
         if S >= rows:
-            return _paired(_kernels.lockstep(loop, ops, axes, store=store), rows)
-        out = _kernels.forward(loop, ops, axes, _schedule.Wrap.of(n, S), store=store,
-                               strides=strides, in_order=in_order)  # fmt: skip
-        return _paired(out, S)
+            return _kernels.lockstep(loop, ops, axes, store=store, turn=turn)
+        return _kernels.forward(loop, ops, axes, _schedule.Wrap.of(n, S), store=store,
+                                strides=strides, in_order=in_order, turn=turn)  # fmt: skip
 
     rule = _slots.SlotRule.for_loop(loop, rows, ops.consts, axes.consts)
-    return _with_slots(rule, lambda: _forward_pick(loop, rule, n, store, in_order), run)
+    pick = lambda: _forward_pick(loop, rule, n, store, in_order)  # noqa: E731
+    return _kernels.forward_outputs(*_ladder(rule, pick, run))
 
 
 def _forward_pick(loop: Loop, rule: _slots.SlotRule, n: jax.Array, store: bool,
@@ -291,23 +291,38 @@ def _store_in_order() -> str | None:
     return "where it fits" if _cost.conditionals_on_device() else "when sure"
 
 
-def _paired(out: tuple, slots: int) -> tuple:
-    """A forward kernel's outputs with its iterations paired with its slot count."""
-    return out[:4] + ((out[4], slots),)
-
-
-def _with_slots(rule: _slots.SlotRule, pick, run):
-    """``run(S)`` with the slot count ``S`` chosen at run time among the ``rule``'s candidates,
-    the one at index ``pick()`` (one compiled branch each; none with one candidate)."""
+def _ladder(rule: _slots.SlotRule, pick, run, turn: Turn = ALONE, chained: bool = True) -> tuple:
+    """``run(S, turn)`` (a kernel's ``(state, summary)``) on its ``turn`` in the slot count
+    ``S`` chosen at run time among the ``rule``'s candidates, the one at index ``pick()``:
+    every candidate's loop one after another, each running only on its own turn
+    (:class:`dyndepth._schedule.Turn`), the loop state passed from one to the next; the chosen
+    one's summary. Not ``chained`` (a fresh state only): a conditional over the candidates.
+    One loop, run as is, with one candidate."""
     if len(rule.candidates) == 1:
-        return run(rule.candidates[0])
+        return run(rule.candidates[0], turn)
+    if not chained:
+        scoped = lambda S: jax.named_scope(f"dyndepth_slots_{S}")  # noqa: E731
+        branches = [lambda S=S: _call_in(scoped(S), run, S, ALONE) for S in rule.candidates]
+        return _vma.switch(pick(), branches)
+    chosen = pick()
+    state, summaries = turn.state, []
+    for k, S in enumerate(rule.candidates):
+        with jax.named_scope(f"dyndepth_slots_{S}"):
+            state, summary = run(S, Turn(turn.gate(chosen == k), state))
+        summaries.append(summary)
 
-    def branch(c):
-        with jax.named_scope(f"dyndepth_slots_{c}"):
-            return run(c)
+    def of_chosen(*values):
+        out = values[0]
+        for k, v in enumerate(values[1:], 1):
+            out = jnp.where(chosen == k, v, out)
+        return out
 
-    branches = [lambda c=c: branch(c) for c in rule.candidates]
-    return _vma.switch(pick(), branches)
+    return state, jax.tree_util.tree_map(of_chosen, *summaries)
+
+
+def _call_in(scope, fn, *args):
+    with scope:
+        return fn(*args)
 
 
 def _refill_order(loop: Loop, ops: LoopOperands, axes: LoopOperands, holds) -> tuple:
@@ -530,21 +545,23 @@ def _backward_kernel(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes, x_ax
     steps = ops.res.steps.astype(jnp.int32)
     stride = ops.res.stored.stride
 
-    def scheduled(loop: Loop, plan: _BackwardPlan) -> tuple:
+    def scheduled(loop: Loop, plan: _BackwardPlan, chained: bool) -> dict:
         rows = steps.shape[0]
         at_end = _lockstep_at_end(loop)
 
-        def run(S):
+        def run(S, turn):
             if S >= rows:
                 sched = _schedule.Lockstep(plan.units, reverse=True, at_end=at_end)
                 return _kernels.backward(loop, pert, ops, c_axes, x_axes, sched,
-                                         per_row=per_row)[:3]  # fmt: skip
+                                         per_row=per_row, turn=turn)  # fmt: skip
             # (every carry stored: the store may be in the forward schedule's order)
             sched = _schedule.Wrap.of(plan.units, S, reverse=True)
             return _kernels.backward(loop, pert, ops, c_axes, x_axes, sched, per_row=per_row,
-                                     in_order=not loop.thinning)[:3]  # fmt: skip
+                                     in_order=not loop.thinning, turn=turn)  # fmt: skip
 
-        return run(rows) if plan.rule is None else _with_slots(plan.rule, plan.pick, run)
+        if plan.rule is None:
+            return run(rows, ALONE)[0]
+        return _ladder(plan.rule, plan.pick, run, chained=chained)[0]
 
     def plan_of(loop: Loop) -> _BackwardPlan:
         return _BackwardPlan.of(loop, steps, stride, ops.res.stored.in_order, ops.consts,
@@ -552,15 +569,29 @@ def _backward_kernel(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes, x_ax
 
     plan = plan_of(loop)
     if plan.fits is None:
-        return scheduled(loop, plan)
+        ct = scheduled(loop, plan, chained=True)
+    else:
+        # A thinned store: its backward passes under conditionals, the slot counts' too (their
+        # loops chained instead, a TPU v5e kept the weights out of its fast memory: 1.27x the
+        # time of a long tail's value_and_grad; benchmarks/README.md, "One chain of loops").
+        def two_level():
+            return _batched.backward(loop, pert, ops.consts, c_axes, ops.xs, ops.kd,
+                                     (ops.res.stored.buf, stride), steps, ops.ct_carry,
+                                     ops.ct_ys, per_row=per_row, x_axes=x_axes)  # fmt: skip
 
-    def two_level():
-        stored = (ops.res.stored.buf, stride)
-        return _batched.backward(loop, pert, ops.consts, c_axes, ops.xs, ops.kd, stored, steps,
-                                 ops.ct_carry, ops.ct_ys, per_row=per_row,
-                                 x_axes=x_axes)  # fmt: skip
-
-    every = _budget.every_carry(loop)
-    branches = [lambda: scheduled(every, plan_of(every)), lambda: scheduled(loop, plan), two_level]
+        every = _budget.every_carry(loop)
+        branches = [lambda: scheduled(every, plan_of(every), chained=False),
+                    lambda: scheduled(loop, plan, chained=False), two_level]  # fmt: skip
+        which = jnp.where(jnp.all(stride == 1), 0, jnp.where(plan.fits, 1, 2))
+        ct = _vma.switch(which, branches)
+    return ct["acc"], ct["cur"], ct["ct_xs"]
+    # Three passes one after another, the chosen one running (see Turn): the two-level
+    # lockstep sweep, the pass of every carry, the thinned pass.
     which = jnp.where(jnp.all(stride == 1), 0, jnp.where(plan.fits, 1, 2))
-    return tuple(_vma.switch(which, branches))
+    ct = _batched.backward(loop, pert, ops.consts, c_axes, ops.xs, ops.kd,
+                           (ops.res.stored.buf, stride), steps, ops.ct_carry, ops.ct_ys,
+                           per_row=per_row, x_axes=x_axes, turn=Turn(which == 2))  # fmt: skip
+    every = _budget.every_carry(loop)
+    ct = scheduled(every, plan_of(every), Turn(which == 0, ct))
+    ct = scheduled(loop, plan, Turn(which == 1, ct))
+    return ct["acc"], ct["cur"], ct["ct_xs"]

@@ -23,10 +23,11 @@ import jax
 import jax.numpy as jnp
 
 from . import _schedule, _sharding, _store, _vma
+from ._batched import cotangent_state
 from ._derivative import Perturbed
 from ._leaves import DROP, IN_BOUNDS, idle_rows_at, index_in, merge, rows_mask, take
 from ._operands import BwdOperands, LoopOperands
-from ._schedule import Slots, at_slots, put_slots
+from ._schedule import ALONE, Slots, Turn, at_slots, put_slots
 from ._step import Loop
 
 
@@ -73,25 +74,26 @@ def _keys(loop: Loop, kd: Any, rows: Any, i: jax.Array, slots: int) -> Any:
 
 
 def forward(loop: Loop, ops: LoopOperands, axes: LoopOperands, sched: Any, *, store: bool,
-            strides: jax.Array | None = None, in_order: str | None = None) -> tuple:  # fmt: skip
-    """The loop over the rows of ``ops`` on the schedule ``sched``. Returns ``(carry, ys,
-    steps, res, iterations)``, ``res`` the store's ``(buf, stride, in_order)`` with ``store``
-    (its ``strides`` set up front where the steps are known, else grown as it fills); with
-    ``in_order`` (a wrap-around ``sched``; ``"where it fits"`` or ``"when sure"``, see
-    :func:`_writer`) the store in schedule order (:func:`dyndepth._store.put_in_order`;
-    ``in_order`` of ``res``, per sample, the slot count where it is, else 0)."""
+            strides: jax.Array | None = None, in_order: str | None = None,
+            turn: Turn = ALONE) -> tuple:  # fmt: skip
+    """The loop over the rows of ``ops`` on the schedule ``sched``, on its ``turn``. Returns
+    ``(state, summary)``: the loop state after it (``cur``, the carries; ``ys``; with ``store``
+    the ``store`` of :mod:`dyndepth._store`, its ``strides`` set up front where the steps are
+    known, else grown as it fills) and what the run leaves beside it (:func:`forward_outputs`).
+    With ``in_order`` (a wrap-around ``sched``; ``"where it fits"`` or ``"when sure"``, see
+    :func:`_writer`) the store is in schedule order (:func:`dyndepth._store.put_in_order`;
+    the summary's ``in_order``, per sample, the slot count where it is, else 0)."""
     B = ops.n.shape[0]
     S = sched.slots
     vstep = loop.vstep(axes.consts, S)
     kd = ops.kd
-    state = dict(
-        t=jnp.zeros((), jnp.int32),
-        sched=sched.start(list(ops.init)),
-        cur=list(ops.init),
-        ys=[_sharding.zeros((B, loop.max_steps), a) for a in loop.y_avals],
-    )
+    state = turn.state
+    if state is None:
+        state = dict(cur=list(ops.init), ys=[_sharding.zeros((B, loop.max_steps), a)
+                                             for a in loop.y_avals])  # fmt: skip
+        if store:
+            state["store"] = _store.start(loop, list(ops.init), strides)
     if store:
-        state["store"] = _store.start(loop, list(ops.init), strides)
         put, fits = _writer(loop, sched, B, in_order)
     sched = sched.masking(list(ops.init) + _per_step(state["ys"]))
 
@@ -111,12 +113,25 @@ def forward(loop: Loop, ops: LoopOperands, axes: LoopOperands, sched: Any, *, st
         s["t"] = t + 1
         return s
 
-    out = _vma.while_loop(lambda s: sched.running(s["sched"], s["t"]), body, state)
-    res = None
+    start = dict(state, t=jnp.zeros((), jnp.int32), sched=sched.start(list(ops.init)))
+    running = lambda s: turn.gate(sched.running(s["sched"], s["t"]))  # noqa: E731
+    out = _vma.while_loop(running, body, start)
+    summary = dict(steps=sched.steps(out["sched"]), iterations=out["t"], slots=S)
     if store:
-        done = out["store"]
-        res = (done["buf"], *_in_order_strides(fits, S, done["stride"]))
-    return out["cur"], out["ys"], sched.steps(out["sched"]), res, out["t"]
+        stride = out["store"]["stride"]
+        summary["stride"], summary["in_order"] = _in_order_strides(fits, S, stride)
+    return {k: out[k] for k in state}, summary
+
+
+def forward_outputs(state: dict, summary: dict) -> tuple:
+    """``(carry, ys, steps, res, (iterations, slots))`` of a forward pass's ``state`` and
+    ``summary`` (:func:`forward`), ``res`` the store's ``(buf, stride, in_order)`` (None
+    without a store)."""
+    res = None
+    if "store" in state:
+        res = (state["store"]["buf"], summary["stride"], summary["in_order"])
+    return (state["cur"], state["ys"], summary["steps"], res,
+            (summary["iterations"], summary["slots"]))  # fmt: skip
 
 
 def _writer(loop: Loop, sched: Any, B: int, in_order: str | None) -> tuple:
@@ -174,15 +189,18 @@ def stop_predicate(loop: Loop, cconsts: list, cc_axes: list) -> Any:
     return holds
 
 
-def lockstep(loop: Loop, ops: LoopOperands, axes: LoopOperands, *, store: bool) -> tuple:
+def lockstep(loop: Loop, ops: LoopOperands, axes: LoopOperands, *, store: bool,
+             turn: Turn = ALONE) -> tuple:  # fmt: skip
     """:func:`forward` with every sample in its own slot: until its depth, or while its stop
     predicate holds."""
     holds = stop_predicate(loop, ops.cconsts, axes.cconsts)
     if holds is not None:
-        return forward(loop, ops, axes, _schedule.LockstepWhile(ops.n, holds), store=store)
+        sched = _schedule.LockstepWhile(ops.n, holds)
+        return forward(loop, ops, axes, sched, store=store, turn=turn)
     n = ops.n.astype(jnp.int32)
     strides = _store.strides_for(n, loop.slots_stored) if store else None
-    return forward(loop, ops, axes, _schedule.Lockstep(n), store=store, strides=strides)
+    return forward(loop, ops, axes, _schedule.Lockstep(n), store=store, strides=strides,
+                   turn=turn)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- backward
@@ -225,13 +243,13 @@ def slot_vjp(loop: Loop, pert: Perturbed, consts, c_axes, carry, x, key, ct_c, c
 
 
 def backward(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes: list, x_axes: list,
-             sched: Any, *, per_row: bool, in_order: bool = False) -> tuple:  # fmt: skip
+             sched: Any, *, per_row: bool, in_order: bool = False,
+             turn: Turn = ALONE) -> tuple:  # fmt: skip
     """The reverse sweep over the rows on ``sched``, a reverse schedule of each sample's
     backward units (its steps, or with thinning :func:`dyndepth._store.units`; ``i`` counts
-    them down). ``ops.ct_carry``/``ops.ct_ys`` hold the perturbed leaves only. Returns
-    cotangents ``(consts, init, xs)`` of the perturbed leaves (a shared const's summed over
-    the rows, or per row with ``per_row``; the xs' per row: a perturbed xs leaf has axis 0)
-    and the iterations run.
+    them down), on its ``turn``. ``ops.ct_carry``/``ops.ct_ys`` hold the perturbed leaves
+    only. Returns ``(state, iterations)``: the cotangents after it
+    (:func:`dyndepth._batched.cotangent_state`) and the iterations run.
 
     ``in_order`` (every carry stored, ``sched`` wrap-around): where the forward pass wrote the
     store in schedule order in as many slots, it ran the samples' steps in the positions of
@@ -242,19 +260,16 @@ def backward(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes: list, x_axes
     d_axes = take(c_axes, pert.consts)
     # (a const's cotangent with a row axis: a per-sample const's, or each sample's own)
     rows = [ax == 0 or per_row for ax in d_axes]
-    state = dict(
-        t=jnp.zeros((), jnp.int32),
-        sched=sched.start([]),
-        cur=list(ops.ct_carry),
-        acc=_accumulators(pert, ops.consts, c_axes, B, per_row),
-        ct_xs=[jnp.zeros_like(x) for x in take(ops.xs, pert.xs)],
+    state = turn.state or cotangent_state(
+        pert, ops.consts, c_axes, ops.xs, ops.ct_carry, B, per_row
     )
+    start = dict(state, t=jnp.zeros((), jnp.int32), sched=sched.start([]))
     buf = list(ops.res.stored.buf)
     # With thinning, each sample's segment is recomputed into rows of its own; per sample its
     # steps and stride, read with one gather per iteration.
     if loop.thinning:
         R = _store.recompute_rows(loop)
-        state["rec"] = [_sharding.blank((R, B), a) for a in loop.carry_avals]
+        start["rec"] = [_sharding.blank((R, B), a) for a in loop.carry_avals]
         layout = jnp.stack([ops.res.steps.astype(jnp.int32), ops.res.stored.stride])
     ordered = jnp.any(ops.res.stored.in_order == S) if in_order else None
 
@@ -303,8 +318,9 @@ def backward(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes: list, x_axes
         s["t"] = t + 1
         return s
 
-    out = _vma.while_loop(lambda s: sched.running(s["sched"], s["t"]), body, state)
-    return out["acc"], out["cur"], out["ct_xs"], out["t"]
+    running = lambda s: turn.gate(sched.running(s["sched"], s["t"]))  # noqa: E731
+    out = _vma.while_loop(running, body, start)
+    return {k: out[k] for k in state}, out["t"]
 
 
 def _per_step(leaves: list) -> list:
@@ -323,14 +339,3 @@ def _add_rows(acc: jax.Array, b: Any, g: jax.Array, live: jax.Array) -> jax.Arra
     if b is None:
         return acc + jnp.where(rows_mask(live, g), g, 0)
     return acc.at[jnp.where(live, b, acc.shape[0])].add(g, **DROP)
-
-
-def _accumulators(pert: Perturbed, consts, c_axes, B: int, per_row: bool) -> list:
-    """Zero accumulators for the perturbed consts' cotangents (see :func:`slot_vjp`)."""
-    out = []
-    for c, ax in zip(take(consts, pert.consts), take(c_axes, pert.consts), strict=True):
-        if ax is None and per_row:
-            out.append(_sharding.zeros((B,), _sharding.typed_aval(c)))
-        else:
-            out.append(jnp.zeros_like(c))
-    return out

@@ -36,6 +36,28 @@ from ._leaves import DROP, IN_BOUNDS, RowsBelow, where_rows, wide_bounds
 from ._slots import iterations
 
 
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """A loop's turn in a chain of loops run one after another, of which at most one runs: the
+    slot counts of a ladder (:func:`dyndepth._dispatch._ladder`), or a thinned store's three
+    backward passes. The loop runs only where ``runs``, from the loop ``state`` the previous
+    loop left (as that one found it where it did not run; None: the first, a fresh state).
+    One state passed through the loops, where a conditional would choose among them, lets the
+    compiler keep it where it keeps a lone loop's: on a TPU v5e, a weight's cotangent in the
+    chip's fast memory (a conditional's output was not: up to 1.5x the time of one loop;
+    benchmarks/README.md, "One chain of loops, no conditional")."""
+
+    runs: Any = True
+    state: dict | None = None
+
+    def gate(self, running: jax.Array) -> jax.Array:
+        return running if self.runs is True else self.runs & running
+
+
+# A lone loop's turn: it runs, from a fresh state.
+ALONE = Turn()
+
+
 def at_slots(leaves: list, b: Any) -> list:
     """Each slot's row of the per-sample ``leaves``: ``leaf[b[s]]`` (``b`` in range); ``b``
     None: the rows themselves (a lockstep slot is its sample)."""

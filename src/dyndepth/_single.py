@@ -31,7 +31,8 @@ def forward(loop: Loop, consts, cconsts, init, xs, n, kd, *, store: bool,
                            None if kd is None else kd[None])  # fmt: skip
         axes = LoopOperands([None] * len(consts), [None] * len(cconsts), [0] * len(init),
                             [None] * len(xs), 0, 0)  # fmt: skip
-        carry, ys, steps, res, iters = _kernels.lockstep(loop, one, axes, store=store)
+        out = _kernels.forward_outputs(*_kernels.lockstep(loop, one, axes, store=store))
+        carry, ys, steps, res, (iters, _) = out
         if not store:
             return squeeze(carry), squeeze(ys), steps[0], res, _batched.stats_of(iters, 1)
         back = _batched.backward_iterations(loop, steps, res[1])
@@ -94,12 +95,12 @@ def backward(loop: Loop, pert: Perturbed, plan: ResidualPlan | None, consts, xs,
     the cotangents ``(consts, init, xs)`` of the perturbed leaves."""
     buf, stride, ext = res
     if loop.thinning:
-        acc, ct, ct_xs = _batched.backward(
+        ct = _batched.backward(
             loop, pert, consts, [None] * len(consts), expand(xs),
             None if kd is None else kd[None], (expand(buf, ROW_AXIS), stride[None]), steps[None],
             expand(ct_carry), expand(ct_ys),
         )  # fmt: skip
-        return acc, squeeze(ct), squeeze(ct_xs)
+        return ct["acc"], squeeze(ct["cur"]), squeeze(ct["ct_xs"])
     S = loop.stacked
     k_idx = [m for m, p in enumerate(pert.consts) if p]
 

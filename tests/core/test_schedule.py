@@ -1,14 +1,13 @@
 """The per-sample scheduler: results and gradients equal the unscheduled loop, work ~ sum(depth)."""
 
 import dataclasses
-import re
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import applicable, tree_allclose
+from helpers import applicable, dyndepth_loops, tree_allclose
 from shared_lists import DISTRIBUTIONS, depths_of, long_tail_depths, uniform_depths
 
 import dyndepth
@@ -311,10 +310,11 @@ def test_work_within_bound_on_every_distribution_forward_and_backward(B, slots):
         ((1, 300, 128, 128, 256), (256, 128, 1)),
     ],
 )
-def test_each_slot_count_is_one_compiled_branch(slots, want):
-    """The compiled value_and_grad has one conditional over the slot counts forward and one
-    backward, with a branch per count (counts of B or more are one: the lockstep batch), and
-    none with a single count. (None: the time rule's ladder where an iteration costs one row.)"""
+def test_each_slot_count_is_one_compiled_loop(slots, want):
+    """The compiled value_and_grad has one while loop per slot count forward and one backward
+    (counts of B or more are one: the lockstep batch), run one after another, and no
+    conditional choosing among them. (None: the time rule's ladder where an iteration costs one
+    row.)"""
     assert _slots.SlotRule.of(_checks.slots_arg(slots), 256, 1.0).candidates == want
 
     def loss(W, xs, ds):
@@ -323,8 +323,8 @@ def test_each_slot_count_is_one_compiled_branch(slots, want):
 
     args = (jnp.eye(D), jnp.ones((256, D)), jnp.ones((256,), jnp.int32))
     hlo = jax.jit(jax.value_and_grad(loss)).lower(*args).compile().as_text()
-    branches = [len(m.split(",")) for m in re.findall(r"branch_computations=\{([^}]*)\}", hlo)]
-    assert branches == ([len(want)] * 2 if len(want) > 1 else []), branches
+    assert dyndepth_loops(hlo) == {"forward": len(want), "backward": len(want)}
+    assert "branch_computations" not in hlo
 
 
 def _chain(ops: int):
@@ -341,7 +341,7 @@ def _chain(ops: int):
 @pytest.mark.parametrize("ops, counts", [(60, 5), (150, 3), (300, 2)])
 def test_a_larger_step_compiles_a_shorter_ladder(ops, counts):
     """The time rule's ladder holds at most ``LADDER_EQUATIONS`` equations of the step over its
-    counts (two at the least): the compiled value_and_grad has that many branches forward and
+    counts (two at the least): the compiled value_and_grad has that many loops forward and
     backward, counts spread over about the same span from ``B`` down."""
     assert ops == dd_cost.jaxpr_equations(jax.make_jaxpr(_chain(ops))(jnp.zeros(D)).jaxpr)
 
@@ -350,8 +350,7 @@ def test_a_larger_step_compiles_a_shorter_ladder(ops, counts):
 
     args = (jnp.ones((256, D)), jnp.ones((256,), jnp.int32))
     hlo = jax.jit(jax.value_and_grad(loss)).lower(*args).compile().as_text()
-    branches = [len(m.split(",")) for m in re.findall(r"branch_computations=\{([^}]*)\}", hlo)]
-    assert branches == [counts] * 2, branches
+    assert dyndepth_loops(hlo) == {"forward": counts, "backward": counts}
 
 
 def test_ladders_by_step_size():

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tree_allclose
+from helpers import dyndepth_loops, tree_allclose
 
 import dyndepth
 import dyndepth.nn as dnn
@@ -89,14 +87,13 @@ def test_per_sample_counts_and_keys_under_vmap(slots):
     vg = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     want = jax.value_and_grad(ref_loss, argnums=(0, 1))(W, xs)
     tree_allclose(vg(W, xs, ns, ks), want, **GTOL)
-    # One conditional over the slot counts per scheduled loop (the detached phase forward, the
-    # differentiated one forward and backward), none with one count: a compiled copy each.
+    # A loop per slot count per scheduled loop (the detached phase forward, the differentiated
+    # one forward and backward), one after another: a compiled copy each.
     hlo = vg.lower(W, xs, ns, ks).compile().as_text()
-    branches = [len(m.split(",")) for m in re.findall(r"branch_computations=\{([^}]*)\}", hlo)]
     if isinstance(slots, int):
-        assert branches == []
+        assert dyndepth_loops(hlo) == {"forward": 2, "backward": 1}
     elif isinstance(slots, tuple):
-        assert branches == [2, 2, 2]
+        assert dyndepth_loops(hlo) == {"forward": 4, "backward": 2}
 
 
 def test_return_all_gives_progressive_outputs_and_zero_rows():

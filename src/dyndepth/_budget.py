@@ -123,13 +123,15 @@ def stored_carry_budget_scope(nbytes: int | None) -> Iterator[None]:
         _budget[0] = before
 
 
-def checkpoints_for(loop: Loop, rows: int, platform: str | None = None) -> int | None:
+def checkpoints_for(loop: Loop, rows: int, platform: str | None = None,
+                    per_sample: bool = True) -> int | None:  # fmt: skip
     """The carries per sample ``loop`` stores over ``rows`` samples with ``checkpoints=None``:
     ``None`` (every one) while they fit the budget (and :data:`SMALL_STORE` where that bounds
-    them), else as many as fit, at least :func:`fewest_held`'s."""
+    them), else as many as fit, at least :func:`fewest_held`'s. ``per_sample``: whether the
+    samples may stop at different steps (see :func:`stored_bytes`)."""
     carry = nbytes(loop.carry_avals)
     length = loop.max_steps
-    fits = loop.budget // max(2 * rows * stored_bytes(loop, rows, platform), 1)
+    fits = loop.budget // max(2 * rows * stored_bytes(loop, rows, platform, per_sample), 1)
     if _recompute_is_cheaper(loop, carry, platform):
         fits = min(fits, SMALL_STORE)
     if carry == 0 or length <= fits:
@@ -137,17 +139,20 @@ def checkpoints_for(loop: Loop, rows: int, platform: str | None = None) -> int |
     return max(fits, fewest_held(length))
 
 
-def stored_bytes(loop: Loop, rows: int, platform: str | None = None) -> int:
+def stored_bytes(loop: Loop, rows: int, platform: str | None = None,
+                 per_sample: bool = True) -> int:  # fmt: skip
     """Bytes one stored carry of ``loop`` over ``rows`` rows may take on ``platform`` (by
     default the one the loop is traced on, as :func:`_recompute_is_cheaper`): on a TPU, where
-    the loop may run scheduled (:func:`dyndepth._slots.may_run_scheduled`), each array's last
+    the loop may run scheduled (samples that may stop at different steps, ``per_sample``, and
+    :func:`dyndepth._slots.may_run_scheduled`), each array's last
     dimension padded to the lanes (:func:`dyndepth._cost.lane_padded_bytes`), since the TPU
     compiler may lay such a loop's store out with the carry's last dimension along them
     (compiled for a TPU v5e, value_and_grad over B=4096 carries of 16 floats, 6000 stored per
     sample in wrap-around slot counts, held 15 GiB of temporary memory for a 1.5 GiB store); a
     lockstep loop keeps its rows along the lanes. Elsewhere :func:`dyndepth._leaves.nbytes`."""
     platform = platform or jax.default_backend()
-    if platform != "tpu" or not _slots.may_run_scheduled(loop, rows, platform):
+    scheduled = per_sample and _slots.may_run_scheduled(loop, rows, platform)
+    if platform != "tpu" or not scheduled:
         return nbytes(loop.carry_avals)
     return sum(_cost.lane_padded_bytes(a.shape, a.dtype.itemsize) for a in loop.carry_avals)
 
@@ -214,15 +219,16 @@ def every_carry(loop: Loop) -> Loop:
     return _with_checkpoints(loop, None)
 
 
-def fitted(loop: Loop, batch: tuple) -> Loop:
+def fitted(loop: Loop, batch: tuple, per_sample: bool = True) -> Loop:
     """The loop a kernel runs over ``batch`` (its levels, each with a ``size``): with
     ``checkpoints=None``, the checkpoints that keep every sample's stored carries within the
     budget; a count the user chose stays. A symbolic size (``jax.export``) counts as one
-    sample: its rows are not known until the program runs."""
+    sample: its rows are not known until the program runs. ``per_sample``: whether the rows
+    may stop at different steps (see :func:`stored_bytes`)."""
     if loop.checkpoints is not None or loop.strategy not in ("auto", "checkpointed"):
         return loop
     rows = math.prod(level.size if isinstance(level.size, int) else 1 for level in batch)
-    return _with_checkpoints(loop, checkpoints_for(loop, rows))
+    return _with_checkpoints(loop, checkpoints_for(loop, rows, per_sample=per_sample))
 
 
 def matching(loop: Loop, buffer_leaf: Any) -> Loop:

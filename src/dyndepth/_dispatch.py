@@ -134,7 +134,9 @@ def forward(loop: Loop, batch: Batch, store: bool, plan: ResidualPlan | None,
             pert: Perturbed | None, ops: LoopOperands) -> list:  # fmt: skip
     """Run the loop. Returns the flat :class:`dyndepth._operands.LoopOutputs` (with ``store``,
     what the backward pass needs)."""
-    loop = _budget.fitted(loop, batch)
+    # (the innermost level's rows are those a kernel runs)
+    inner_n = LoopOperands.split(batch[0].batched, loop).n if batch else False
+    loop = _budget.fitted(loop, batch, per_sample=_per_sample_steps(loop, inner_n))
     kd = None if loop.keys is None else ops.kd
     if not batch:
         carry, ys, steps, res, stats = _single.forward(

@@ -375,7 +375,8 @@ def test_the_budget_counts_a_tpu_store_padded_to_the_lanes():
     """On a TPU, a loop that may run scheduled counts each carry's last dimension padded to
     the 128 lanes (16 floats take 512 bytes: the TPU compiler may lay a wrap-around pass's
     store out so); a loop that runs in lockstep there (a tiny step, whose rows' moves cost more
-    than any count saves), or any loop elsewhere, counts it as it is."""
+    than any count saves, or rows that share their depth), or any loop elsewhere, counts it as
+    it is."""
     from dyndepth import _budget, _slots
 
     tiny, given = _traced_loop(16, 1, 1000), _traced_loop(16, 1, 1000, slots=32)
@@ -386,6 +387,10 @@ def test_the_budget_counts_a_tpu_store_padded_to_the_lanes():
     )
     assert _budget.stored_bytes(tiny, 4096, "tpu") == _budget.stored_bytes(tiny, 4096, "cpu") == 64
     assert _budget.stored_bytes(given, 4096, "tpu") == 512
+    assert _budget.stored_bytes(given, 4096, "tpu", per_sample=False) == 64
+    shared = _budget.checkpoints_for(given, 4096, "tpu", per_sample=False)
+    padded = _budget.checkpoints_for(given, 4096, "tpu")
+    assert padded is not None and (shared is None or padded < shared), (padded, shared)
     assert _budget.stored_bytes(given, 4096, "gpu") == 64
     assert _budget.stored_bytes(wide, 4096, "tpu") == 1024
     assert not _slots.may_run_scheduled(given, 1, "tpu")

@@ -44,8 +44,8 @@ class Turn:
     loop left (as that one found it where it did not run; None: the first, a fresh state).
     One state passed through the loops, where a conditional would choose among them, lets the
     compiler keep it where it keeps a lone loop's: on a TPU v5e, a weight's cotangent in the
-    chip's fast memory (a conditional's output was not: up to 1.5x the time of one loop;
-    benchmarks/README.md, "One chain of loops, no conditional")."""
+    chip's fast memory (a conditional's output was not: a long tail took 1.19x the time of its
+    chosen count alone; benchmarks/README.md, "One chain of loops, no conditional")."""
 
     runs: Any = True
     state: dict | None = None

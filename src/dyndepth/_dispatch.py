@@ -255,7 +255,7 @@ def _forward_kernel(loop: Loop, ops: LoopOperands, axes: LoopOperands, per_sampl
 
     rule = _slots.SlotRule.for_loop(loop, rows, ops.consts, axes.consts)
     pick = lambda: _forward_pick(loop, rule, n, store, in_order)  # noqa: E731
-    return _kernels.forward_outputs(*_ladder(rule, pick, run))
+    return _kernels.forward_outputs(*_ladder(rule, pick, run, _chains()))
 
 
 def _forward_pick(loop: Loop, rule: _slots.SlotRule, n: jax.Array, store: bool,
@@ -293,24 +293,34 @@ def _store_in_order() -> str | None:
     return "where it fits" if _cost.conditionals_on_device() else "when sure"
 
 
-def _ladder(rule: _slots.SlotRule, pick, run, turn: Turn = ALONE, chained: bool = True) -> tuple:
-    """``run(S, turn)`` (a kernel's ``(state, summary)``) on its ``turn`` in the slot count
-    ``S`` chosen at run time among the ``rule``'s candidates, the one at index ``pick()``:
-    every candidate's loop one after another, each running only on its own turn
-    (:class:`dyndepth._schedule.Turn`), the loop state passed from one to the next; the chosen
-    one's summary. Not ``chained`` (a fresh state only): a conditional over the candidates.
-    One loop, run as is, with one candidate."""
+def _chains(thinned_backward: bool = False) -> bool:
+    """Whether the slot counts' loops run as one chain (:class:`dyndepth._schedule.Turn`), not
+    under a conditional: where the platform reads a loop's predicate on the device (XLA's GPU
+    runtime reads it on the host, once for each loop of a chain against once for a
+    conditional), but for a thinned store's backward passes (chained, a TPU v5e kept the
+    weights out of its fast memory: 1.27x the time of a long tail's value_and_grad;
+    benchmarks/README.md, "One chain of loops, no conditional")."""
+    return _cost.conditionals_on_device() and not thinned_backward
+
+
+def _ladder(rule: _slots.SlotRule, pick, run, chained: bool) -> tuple:
+    """``run(S, turn)`` (a kernel's ``(state, summary)``) in the slot count ``S`` chosen at
+    run time among the ``rule``'s candidates, the one at index ``pick()``; ``chained``: every
+    candidate's loop one after another, each running only on its own turn
+    (:class:`dyndepth._schedule.Turn`), the loop state passed from one to the next, and the
+    chosen one's summary; else a conditional over the candidates. One loop, run as is, with
+    one candidate."""
     if len(rule.candidates) == 1:
-        return run(rule.candidates[0], turn)
+        return run(rule.candidates[0], ALONE)
     if not chained:
         scoped = lambda S: jax.named_scope(f"dyndepth_slots_{S}")  # noqa: E731
         branches = [lambda S=S: _call_in(scoped(S), run, S, ALONE) for S in rule.candidates]
         return _vma.switch(pick(), branches)
     chosen = pick()
-    state, summaries = turn.state, []
+    state, summaries = None, []
     for k, S in enumerate(rule.candidates):
         with jax.named_scope(f"dyndepth_slots_{S}"):
-            state, summary = run(S, Turn(turn.gate(chosen == k), state))
+            state, summary = run(S, Turn(chosen == k, state))
         summaries.append(summary)
 
     def of_chosen(*values):
@@ -547,7 +557,7 @@ def _backward_kernel(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes, x_ax
     steps = ops.res.steps.astype(jnp.int32)
     stride = ops.res.stored.stride
 
-    def scheduled(loop: Loop, plan: _BackwardPlan, chained: bool) -> dict:
+    def scheduled(loop: Loop, plan: _BackwardPlan, thinned: bool) -> dict:
         rows = steps.shape[0]
         at_end = _lockstep_at_end(loop)
 
@@ -563,7 +573,7 @@ def _backward_kernel(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes, x_ax
 
         if plan.rule is None:
             return run(rows, ALONE)[0]
-        return _ladder(plan.rule, plan.pick, run, chained=chained)[0]
+        return _ladder(plan.rule, plan.pick, run, _chains(thinned))[0]
 
     def plan_of(loop: Loop) -> _BackwardPlan:
         return _BackwardPlan.of(loop, steps, stride, ops.res.stored.in_order, ops.consts,
@@ -571,19 +581,17 @@ def _backward_kernel(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes, x_ax
 
     plan = plan_of(loop)
     if plan.fits is None:
-        ct = scheduled(loop, plan, chained=True)
+        ct = scheduled(loop, plan, thinned=False)
     else:
-        # A thinned store: its backward passes under conditionals, the slot counts' too (their
-        # loops chained instead, a TPU v5e kept the weights out of its fast memory: 1.27x the
-        # time of a long tail's value_and_grad; benchmarks/README.md, "One chain of loops").
+        # A thinned store: its three backward passes under a conditional (see _chains).
         def two_level():
             return _batched.backward(loop, pert, ops.consts, c_axes, ops.xs, ops.kd,
                                      (ops.res.stored.buf, stride), steps, ops.ct_carry,
                                      ops.ct_ys, per_row=per_row, x_axes=x_axes)  # fmt: skip
 
         every = _budget.every_carry(loop)
-        branches = [lambda: scheduled(every, plan_of(every), chained=False),
-                    lambda: scheduled(loop, plan, chained=False), two_level]  # fmt: skip
+        branches = [lambda: scheduled(every, plan_of(every), thinned=True),
+                    lambda: scheduled(loop, plan, thinned=True), two_level]  # fmt: skip
         which = jnp.where(jnp.all(stride == 1), 0, jnp.where(plan.fits, 1, 2))
         ct = _vma.switch(which, branches)
     return ct["acc"], ct["cur"], ct["ct_xs"]

@@ -1,6 +1,7 @@
 """The per-sample scheduler: results and gradients equal the unscheduled loop, work ~ sum(depth)."""
 
 import dataclasses
+import re
 from functools import partial
 
 import jax
@@ -336,6 +337,32 @@ def _chain(ops: int):
         return x
 
     return step
+
+
+@pytest.mark.parametrize("checkpoints", [None, 2])
+def test_a_ladder_under_a_conditional_computes_what_the_chain_does(monkeypatch, checkpoints):
+    """Where the slot counts' loops run under a conditional (a GPU's choice, and a thinned
+    store's backward passes everywhere), value_and_grad and the stats equal the chain's, and
+    the compiled program has a conditional over the counts forward and backward."""
+    from dyndepth import _dispatch
+
+    def loss(W, xs, ds):
+        f = lambda x: jnp.tanh(x @ W)  # noqa: E731
+        out, stats = dyndepth.repeat_batched(
+            f, xs, ds, max_depth=6, slots=(8, 4, 2), checkpoints=checkpoints, return_stats=True
+        )
+        return jnp.sum(out**2), stats
+
+    k = jax.random.split(jax.random.PRNGKey(3), 3)
+    args = (jax.random.normal(k[0], (D, D)) / D, jax.random.normal(k[1], (8, D)),
+            jnp.array([0, 6, 1, 2, 5, 6, 3, 1], jnp.int32))  # fmt: skip
+    chained = jax.jit(jax.value_and_grad(loss, has_aux=True))(*args)
+    monkeypatch.setattr(_dispatch, "_chains", lambda thinned_backward=False: False)
+    vg = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    tree_allclose(vg(*args), chained, rtol=1e-6)
+    hlo = vg.lower(*args).compile().as_text()
+    branches = [len(m.split(",")) for m in re.findall(r"branch_computations=\{([^}]*)\}", hlo)]
+    assert branches.count(3) >= 2, branches
 
 
 @pytest.mark.parametrize("ops, counts", [(60, 5), (150, 3), (300, 2)])

@@ -312,15 +312,17 @@ def _ladder(rule: _slots.SlotRule, pick, run, chained: bool) -> tuple:
     one candidate."""
     if len(rule.candidates) == 1:
         return run(rule.candidates[0], ALONE)
+
+    def scoped(S, turn):
+        with jax.named_scope(f"dyndepth_slots_{S}"):
+            return run(S, turn)
+
     if not chained:
-        scoped = lambda S: jax.named_scope(f"dyndepth_slots_{S}")  # noqa: E731
-        branches = [lambda S=S: _call_in(scoped(S), run, S, ALONE) for S in rule.candidates]
-        return _vma.switch(pick(), branches)
+        return _vma.switch(pick(), [partial(scoped, S, ALONE) for S in rule.candidates])
     chosen = pick()
     state, summaries = None, []
     for k, S in enumerate(rule.candidates):
-        with jax.named_scope(f"dyndepth_slots_{S}"):
-            state, summary = run(S, Turn(chosen == k, state))
+        state, summary = scoped(S, Turn(chosen == k, state))
         summaries.append(summary)
 
     def of_chosen(*values):
@@ -330,11 +332,6 @@ def _ladder(rule: _slots.SlotRule, pick, run, chained: bool) -> tuple:
         return out
 
     return state, jax.tree_util.tree_map(of_chosen, *summaries)
-
-
-def _call_in(scope, fn, *args):
-    with scope:
-        return fn(*args)
 
 
 def _refill_order(loop: Loop, ops: LoopOperands, axes: LoopOperands, holds) -> tuple:
@@ -594,14 +591,4 @@ def _backward_kernel(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes, x_ax
                     lambda: scheduled(loop, plan, thinned=True), two_level]  # fmt: skip
         which = jnp.where(jnp.all(stride == 1), 0, jnp.where(plan.fits, 1, 2))
         ct = _vma.switch(which, branches)
-    return ct["acc"], ct["cur"], ct["ct_xs"]
-    # Three passes one after another, the chosen one running (see Turn): the two-level
-    # lockstep sweep, the pass of every carry, the thinned pass.
-    which = jnp.where(jnp.all(stride == 1), 0, jnp.where(plan.fits, 1, 2))
-    ct = _batched.backward(loop, pert, ops.consts, c_axes, ops.xs, ops.kd,
-                           (ops.res.stored.buf, stride), steps, ops.ct_carry, ops.ct_ys,
-                           per_row=per_row, x_axes=x_axes, turn=Turn(which == 2))  # fmt: skip
-    every = _budget.every_carry(loop)
-    ct = scheduled(every, plan_of(every), Turn(which == 0, ct))
-    ct = scheduled(loop, plan, Turn(which == 1, ct))
     return ct["acc"], ct["cur"], ct["ct_xs"]

@@ -260,9 +260,9 @@ def backward(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes: list, x_axes
     d_axes = take(c_axes, pert.consts)
     # (a const's cotangent with a row axis: a per-sample const's, or each sample's own)
     rows = [ax == 0 or per_row for ax in d_axes]
-    state = turn.state or cotangent_state(
-        pert, ops.consts, c_axes, ops.xs, ops.ct_carry, B, per_row
-    )
+    state = turn.state
+    if state is None:
+        state = cotangent_state(pert, ops.consts, c_axes, ops.xs, ops.ct_carry, B, per_row)
     start = dict(state, t=jnp.zeros((), jnp.int32), sched=sched.start([]))
     buf = list(ops.res.stored.buf)
     # With thinning, each sample's segment is recomputed into rows of its own; per sample its

@@ -40,12 +40,12 @@ from ._slots import iterations
 class Turn:
     """A loop's turn in a chain of loops run one after another, of which at most one runs: the
     slot counts of a ladder (:func:`dyndepth._dispatch._ladder`). The loop runs only where
-    ``runs``, from the loop ``state`` the previous
-    loop left (as that one found it where it did not run; None: the first, a fresh state).
-    One state passed through the loops, where a conditional would choose among them, lets the
-    compiler keep it where it keeps a lone loop's: on a TPU v5e, a weight's cotangent in the
-    chip's fast memory (a conditional's output was not: a long tail took 1.19x the time of its
-    chosen count alone; benchmarks/README.md, "One chain of loops, no conditional")."""
+    ``runs``, from the loop ``state`` the previous loop left (as that one found it where it did
+    not run; None: the first, a fresh state). One state passed through the loops, where a
+    conditional would choose among them, lets the compiler keep it where it keeps a lone
+    loop's: on a TPU v5e, a weight's cotangent in the chip's fast memory (a conditional's
+    output was not: a long tail took 1.19x the time of its chosen count alone;
+    benchmarks/README.md, "One chain of loops, no conditional")."""
 
     runs: Any = True
     state: dict | None = None

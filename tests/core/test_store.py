@@ -118,49 +118,62 @@ def test_cells_read_and_write_each_layout_as_plain_python(rows, steps, slots, ax
     K=st.integers(1, 12),
 )
 def test_a_store_in_schedule_order_holds_every_carry_where_it_fits(lengths, slots, K):
-    """The wrap-around forward pass's store in schedule order: run the schedule in plain
-    Python, each iteration writing its slots' ``(sample, step)`` as one block
-    (``_store.put_in_order``); where the schedule fits (``_store.fits_in_order``, against the
-    plain capacity ``C <= K x (B // S)``), every sample's every step is found where
-    ``_store.in_order_cells`` says, and ``Wrap.position`` is the iteration and slot that ran
-    it. Gathered into the per-sample layout (``_store.to_per_sample``), slot ``k`` of sample
-    ``b`` holds step ``min(k x stride, steps - 1)``'s carry (the first of a sample with steps,
-    for one without)."""
+    """The wrap-around forward pass's store in schedule order: run the schedule, each iteration
+    writing its slots' ``(sample, step)`` as one block (``_store.put_in_order``), and check in
+    plain Python that every sample's every step ran, at the iteration and slot
+    ``Wrap.position`` says; where the schedule fits (``_store.fits_in_order``, against the
+    plain capacity ``C <= K x (B // S)``), every step is found where
+    ``_store.in_order_cells`` says. Gathered into the per-sample layout
+    (``_store.to_per_sample``), slot ``k`` of sample ``b`` holds step
+    ``min(k x stride, steps - 1)``'s carry (the first of a sample with steps, for one
+    without)."""
     from dyndepth._schedule import Wrap
 
     B = len(lengths)
-    sched = Wrap.of(jnp.asarray(lengths, jnp.int32), slots)
-    S, C = sched.slots, int(sched.iterations)
+    steps = jnp.asarray(lengths, jnp.int32)
+    C = int(jax.jit(lambda n: Wrap.of(n, slots).iterations)(steps))
+    S = max(1, min(slots, B))
     fits = C <= K * (B // S)
-    assert bool(_store.fits_in_order(sched.iterations, S, K, B)) == fits
-    store = {"buf": [jnp.full((K, B), -1, jnp.int32)]}
-    state, ran = sched.start([]), {}
-    for t in range(C):
-        view = sched.view(state, jnp.asarray(t, jnp.int32))
-        tag = view.b * 100 + view.i
-        if fits:
-            store = _store.put_in_order(store, jnp.asarray(t, jnp.int32), [tag], S)
-        for s in range(S):
-            if bool(view.live[s]):
-                ran[int(view.b[s]), int(view.i[s])] = (t, s)
-        state = sched.advance(state, view, [])
-    assert sorted(ran) == [(b, i) for b, n in enumerate(lengths) for i in range(n)]
-    if not ran:
+    # every (sample, step), in batch order: where the schedule ran it, and where the store has it
+    pairs = [(b, i) for b, n in enumerate(lengths) for i in range(n)]
+    b, i = np.asarray(pairs, np.int32).reshape(-1, 2).T
+
+    @jax.jit  # one program per example (eager, every op would compile for its shapes)
+    def run(steps, b, i):
+        sched = Wrap.of(steps, slots)
+
+        def iteration(carry, t):
+            state, store = carry
+            view = sched.view(state, t)
+            if fits:
+                store = _store.put_in_order(store, t, [view.b * 100 + view.i], S)
+            return (view.after, store), (view.b, view.i, view.live)
+
+        store = {"buf": [jnp.full((K, B), -1, jnp.int32)]}
+        (_, store), ran = jax.lax.scan(iteration, (sched.start([]), store), jnp.arange(C))
+        ones, written = jnp.ones((B,), jnp.int32), jnp.full((B,), S, jnp.int32)
+        return (_store.fits_in_order(sched.iterations, S, K, B), ran, sched.position(b, i),
+                store["buf"][0], _store.in_order_cells(sched, B, b, i),
+                _store.to_per_sample(store["buf"], ones, written, steps),
+                _store.strides_for(steps, K))  # fmt: skip
+
+    fits_seen, ran, where, buf, (k, col), ((per,), stride), strides = jax.tree_util.tree_map(
+        np.asarray, run(steps, b, i)
+    )
+    assert bool(fits_seen) == fits
+    at = {}
+    for t, s in zip(*np.nonzero(ran[2]), strict=True):
+        at[int(ran[0][t, s]), int(ran[1][t, s])] = (int(t), int(s))
+    assert sorted(at) == pairs
+    if not pairs:
         return
-    b, i = (jnp.asarray(v, jnp.int32) for v in zip(*ran, strict=True))
-    where = list(zip(*(np.asarray(v).tolist() for v in sched.position(b, i)), strict=True))
-    assert where == list(ran.values())
+    assert list(zip(*(v.tolist() for v in where), strict=True)) == [at[p] for p in pairs]
     if not fits:
         return
-    k, col = _store.in_order_cells(sched, B, b, i)
-    got = np.asarray(store["buf"][0])[np.asarray(k), np.asarray(col)]
-    np.testing.assert_array_equal(got, np.asarray(b * 100 + i))
-    steps = jnp.asarray(lengths, jnp.int32)
-    ones, written = jnp.ones((B,), jnp.int32), jnp.full((B,), S, jnp.int32)
-    (per,), stride = _store.to_per_sample(store["buf"], ones, written, steps)
+    np.testing.assert_array_equal(buf[k, col], b * 100 + i)
+    np.testing.assert_array_equal(stride, strides)
     deepest = int(np.argmax(lengths))
     for b, n in enumerate(lengths):
-        assert int(stride[b]) == int(_store.strides_for(jnp.array([n]), K)[0])
         for k in range(K):
             want = deepest * 100 if n == 0 else b * 100 + min(k * int(stride[b]), n - 1)
             assert int(per[k, b]) == want, (b, k)

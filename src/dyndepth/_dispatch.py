@@ -250,8 +250,9 @@ def _forward_kernel(loop: Loop, ops: LoopOperands, axes: LoopOperands, per_sampl
     def run(S, turn):
         if S >= rows:
             return _kernels.lockstep(loop, ops, axes, store=store, turn=turn)
-        return _kernels.forward(loop, ops, axes, _schedule.Wrap.of(n, S), store=store,
-                                strides=strides, in_order=in_order, turn=turn)  # fmt: skip
+        sched = _schedule.Wrap.of(n, S, runs=turn.runs)
+        return _kernels.forward(loop, ops, axes, sched, store=store, strides=strides,
+                                in_order=in_order, turn=turn)  # fmt: skip
 
     rule = _slots.SlotRule.for_loop(loop, rows, ops.consts, axes.consts)
     pick = lambda: _forward_pick(loop, rule, n, store, in_order)  # noqa: E731
@@ -564,7 +565,7 @@ def _backward_kernel(loop: Loop, pert: Perturbed, ops: BwdOperands, c_axes, x_ax
                 return _kernels.backward(loop, pert, ops, c_axes, x_axes, sched,
                                          per_row=per_row, turn=turn)  # fmt: skip
             # (every carry stored: the store may be in the forward schedule's order)
-            sched = _schedule.Wrap.of(plan.units, S, reverse=True)
+            sched = _schedule.Wrap.of(plan.units, S, reverse=True, runs=turn.runs)
             return _kernels.backward(loop, pert, ops, c_axes, x_axes, sched, per_row=per_row,
                                      in_order=not loop.thinning, turn=turn)  # fmt: skip
 

@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from . import _vma
 from ._leaves import DROP, IN_BOUNDS, RowsBelow, where_rows, wide_bounds
 from ._slots import iterations
 
@@ -189,7 +190,10 @@ class Wrap:
     reverse: bool = False
 
     @staticmethod
-    def of(lengths: jax.Array, slots: int, reverse: bool = False) -> Wrap:
+    def of(lengths: jax.Array, slots: int, reverse: bool = False, runs: Any = True) -> Wrap:
+        """``runs``: whether the schedule's loop will run (:attr:`Turn.runs`); where it will
+        not, the slots' first samples are not searched for (a chain's every count sets up
+        its schedule, one count runs)."""
         B = lengths.shape[0]
         S = max(1, min(slots, B))
         length = lengths.astype(jnp.int32)
@@ -201,11 +205,21 @@ class Wrap:
         last = jnp.maximum(jnp.max(jnp.where(length > 0, jnp.arange(B), 0), initial=0), 0)
         after = jnp.concatenate([jax.lax.cummin(has[::-1])[::-1][1:], jnp.full((1,), B)])
         after = jnp.where(after >= B, last, after)
-        # The sample holding each slot's first position: the count of samples ending at or
-        # before it (a comparison of S x B, once: cheaper to trace and run than a search).
-        first = jnp.sum(end[None, :] <= (jnp.arange(S) * C)[:, None], axis=1, dtype=jnp.int32)
+
+        def first_samples():
+            # The sample holding each slot's first position: the count of samples ending at
+            # or before it (a comparison of S x B, once: cheaper to trace and run than a
+            # search).
+            ended = end[None, :] <= (jnp.arange(S) * C)[:, None]
+            first = jnp.sum(ended, axis=1, dtype=jnp.int32)
+            return jnp.where(first >= B, last, first)
+
+        if runs is True:
+            first = first_samples()
+        else:
+            first = _vma.cond(runs, first_samples, lambda: jnp.zeros((S,), jnp.int32))
         table = jnp.stack([start, length, head, after.astype(jnp.int32)])
-        return Wrap(S, C, jnp.sum(length), table, jnp.where(first >= B, last, first), reverse)
+        return Wrap(S, C, jnp.sum(length), table, first, reverse)
 
     def masking(self, leaves: list):
         return self

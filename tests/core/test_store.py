@@ -131,8 +131,13 @@ def test_a_store_in_schedule_order_holds_every_carry_where_it_fits(lengths, slot
 
     B = len(lengths)
     steps = jnp.asarray(lengths, jnp.int32)
-    C = int(jax.jit(lambda n: Wrap.of(n, slots).iterations)(steps))
-    S = max(1, min(slots, B))
+
+    def iterations_and_first(n):
+        sched = Wrap.of(n, slots)
+        return sched.iterations, sched.first
+
+    C, first = jax.jit(iterations_and_first)(steps)
+    C, S = int(C), first.shape[0]  # (the schedule's own slot count: at most B)
     fits = C <= K * (B // S)
     # every (sample, step), in batch order: where the schedule ran it, and where the store has it
     pairs = [(b, i) for b, n in enumerate(lengths) for i in range(n)]

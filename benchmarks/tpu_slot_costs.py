@@ -5,9 +5,10 @@ A wrap-around iteration also moves each row's data in and out of its slot (gathe
 scatters), which a lockstep iteration (``S = B``, every row at one shared step: slices) does
 not; on a TPU that costs per row whatever the step. For each workload below (step ``x + tanh(x
 @ W)``, ``B`` samples of width ``D``, every carry stored), this script times value_and_grad of
-``repeat_batched`` at fixed slot counts, at the default, and ``jax.checkpoint`` + masked
-``lax.scan``; from ``return_stats`` it takes each count's iterations (forward + backward) and
-prints the time per iteration and, per scheduled count, the cost per row beyond lockstep's:
+``repeat_batched`` at fixed slot counts, at the default, with the time rule over a longer
+ladder (:func:`losses`), and ``jax.checkpoint`` + masked ``lax.scan``; from ``return_stats``
+it takes each count's iterations (forward + backward) and prints the time per iteration and,
+per scheduled count, the cost per row beyond lockstep's:
 ``(t / iterations - lockstep's t / iterations x S / B) / S``, the movement the model does not
 count. The default's time over the best fixed count's is the slot rule's check (at most 1.1x).
 
@@ -39,7 +40,12 @@ QUICK = {"narrow": (256, 16, 40, "uniform", (256, 128, 32)),
 
 
 def losses(max_depth: int, counts: tuple) -> dict:
-    """label -> loss(W, xs, ds) returning ``(value, stats)``."""
+    """label -> loss(W, xs, ds) returning ``(value, stats)``. Beside the default, the time
+    rule over the five counts of a small step's ladder (``B``, ``B / 2``, ``B / 4``, ``B / 8``,
+    ``B / 32``): the counts the default leaves out on a TPU (those whose rows with twice their
+    moves are as many as the batch's) kept, each a loop of the chain that does not run."""
+    batch = counts[0]
+    ladder = tuple(max(1, batch >> k) for k in (0, 1, 2, 3, 5))
 
     def dyndepth_loss(slots):
         def loss(W, xs, ds):
@@ -54,7 +60,7 @@ def losses(max_depth: int, counts: tuple) -> dict:
         out = masked_scan(lambda x: x + jnp.tanh(x @ W), xs, ds, max_depth, remat=True)
         return jnp.sum(out**2), {}
 
-    out = {"default": dyndepth_loss(None)}
+    out = {"default": dyndepth_loss(None), "time rule, five counts": dyndepth_loss(ladder)}
     out.update((f"S={c}", dyndepth_loss(c)) for c in counts)
     out["jax.checkpoint + lax.scan"] = scan_loss
     return out

@@ -192,33 +192,17 @@ class Wrap:
     @staticmethod
     def of(lengths: jax.Array, slots: int, reverse: bool = False, runs: Any = True) -> Wrap:
         """``runs``: whether the schedule's loop will run (:attr:`Turn.runs`); where it will
-        not, the slots' first samples are not searched for (a chain's every count sets up
-        its schedule, one count runs)."""
+        not, its per-sample table and the slots' first samples are left zeros, under a
+        conditional (a chain's every count sets up its schedule, one count runs)."""
         B = lengths.shape[0]
         S = max(1, min(slots, B))
         length = lengths.astype(jnp.int32)
-        C, start, head = wrap_runs(length, S)
-        end = start + length
-        # The next sample with steps; past the last one, the last one (an idle slot then reads
-        # the inputs of a step that sample took).
-        has = jnp.where(length > 0, jnp.arange(B, dtype=jnp.int32), B)
-        last = jnp.maximum(jnp.max(jnp.where(length > 0, jnp.arange(B), 0), initial=0), 0)
-        after = jnp.concatenate([jax.lax.cummin(has[::-1])[::-1][1:], jnp.full((1,), B)])
-        after = jnp.where(after >= B, last, after)
-
-        def first_samples():
-            # The sample holding each slot's first position: the count of samples ending at
-            # or before it (a comparison of S x B, once: cheaper to trace and run than a
-            # search).
-            ended = end[None, :] <= (jnp.arange(S) * C)[:, None]
-            first = jnp.sum(ended, axis=1, dtype=jnp.int32)
-            return jnp.where(first >= B, last, first)
-
+        C = iterations(jnp.sum(length), jnp.max(length, initial=0), S)
         if runs is True:
-            first = first_samples()
+            table, first = wrap_table(length, S, C)
         else:
-            first = _vma.cond(runs, first_samples, lambda: jnp.zeros((S,), jnp.int32))
-        table = jnp.stack([start, length, head, after.astype(jnp.int32)])
+            zeros = lambda: (jnp.zeros((4, B), jnp.int32), jnp.zeros((S,), jnp.int32))  # noqa: E731
+            table, first = _vma.cond(runs, lambda: wrap_table(length, S, C), zeros)
         return Wrap(S, C, jnp.sum(length), table, first, reverse)
 
     def masking(self, leaves: list):
@@ -256,15 +240,41 @@ class Wrap:
         return wrap_position(start, length, head, self.iterations, i)
 
 
+def wrap_table(length: jax.Array, S: int, C: jax.Array) -> tuple:
+    """``(table, first)`` of the wrap-around schedule of ``length`` steps per sample in ``S``
+    slots over ``C`` iterations: per sample (``(4, B)``) where its run of positions starts, its
+    steps, how many of them its first slot holds and the next sample with steps; per slot the
+    sample holding its first position."""
+    B = length.shape[0]
+    start, head = wrap_starts(length, C)
+    end = start + length
+    # The next sample with steps; past the last one, the last one (an idle slot then reads
+    # the inputs of a step that sample took).
+    has = jnp.where(length > 0, jnp.arange(B, dtype=jnp.int32), B)
+    last = jnp.maximum(jnp.max(jnp.where(length > 0, jnp.arange(B), 0), initial=0), 0)
+    after = jnp.concatenate([jax.lax.cummin(has[::-1])[::-1][1:], jnp.full((1,), B)])
+    after = jnp.where(after >= B, last, after)
+    # The sample holding each slot's first position: the count of samples ending at or before
+    # it (a comparison of S x B, once: cheaper to trace and run than a search).
+    first = jnp.sum(end[None, :] <= (jnp.arange(S) * C)[:, None], axis=1, dtype=jnp.int32)
+    first = jnp.where(first >= B, last, first)
+    return jnp.stack([start, length, head, after.astype(jnp.int32)]), first
+
+
 def wrap_runs(length: jax.Array, slots: Any) -> tuple:
     """``(C, start, head)`` of the wrap-around schedule of ``length`` steps per sample in
     ``slots`` slots (a count, or an array: the slot count a forward pass ran in): its
     iterations, and per sample where its run of positions starts and how many of them its first
     slot holds (its last steps; all of them unless it is cut)."""
     C = iterations(jnp.sum(length), jnp.max(length, initial=0), slots)
+    return (C, *wrap_starts(length, C))
+
+
+def wrap_starts(length: jax.Array, C: jax.Array) -> tuple:
+    """``(start, head)`` of :func:`wrap_runs` for a schedule of ``C`` iterations."""
     start = jnp.cumsum(length) - length
     cut = (start // jnp.maximum(C, 1) + 1) * C
-    return C, start, jnp.where(start + length > cut, cut - start, length)
+    return start, jnp.where(start + length > cut, cut - start, length)
 
 
 def wrap_position(start, length, head, C, i) -> tuple:

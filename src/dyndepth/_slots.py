@@ -50,10 +50,12 @@ def slot_candidates(batch: int, fixed_rows: float, step_equations: int = 0,
     step's, :func:`dyndepth._cost.jaxpr_equations`); batches of 2 or fewer run unscheduled.
     A count is kept where its rows with twice their moves (``S x (1 + 2 x moved_rows)``) are
     fewer than the batch's: at its best (lockstep's iterations) it saves more rows than its
-    moves cost again. Each count's compiled branch costs every call, even one that runs
-    another count (on a TPU v5e, a second count added 0.4-0.7 ms to value_and_grad calls that
-    ran lockstep at B=256 and 1024: ``benchmarks/README.md``); one that saves less rarely
-    pays for it. (Where rows move for free, every count is kept.)"""
+    moves cost again. Each count is a compiled copy of the step, forward and backward, and can
+    cost a call that runs another: on a TPU v5e, the time rule over five counts took 6.20 ms
+    where lockstep alone took 2.60 (B=4096 carries of 16 floats: the TPU compiler relaid the
+    store out between the lockstep loop and the scheduled ones), though wider carries ran alike
+    (``benchmarks/tpu_slot_costs.py``); one that saves less rarely pays for it. (Where rows
+    move for free, every count is kept.)"""
     if batch <= 2:
         return (batch,)
     smallest = max(1, math.floor(fixed_rows / 8))

@@ -315,8 +315,8 @@ def test_each_slot_count_is_one_compiled_loop(slots, want):
     """The compiled value_and_grad has one while loop per slot count forward and one backward
     (counts of B or more are one: the lockstep batch), run one after another, and no
     conditional choosing among them: the only conditionals set up a count's schedule (its
-    slots' first samples, one int32 vector) where that count runs. (None: the time rule's
-    ladder where an iteration costs one row.)"""
+    per-sample table and its slots' first samples: int32 only) where that count runs. (None:
+    the time rule's ladder where an iteration costs one row.)"""
     assert _slots.SlotRule.of(_checks.slots_arg(slots), 256, 1.0).candidates == want
 
     def loss(W, xs, ds):
@@ -327,7 +327,8 @@ def test_each_slot_count_is_one_compiled_loop(slots, want):
     hlo = jax.jit(jax.value_and_grad(loss)).lower(*args).compile().as_text()
     assert dyndepth_loops(hlo) == {"forward": len(want), "backward": len(want)}
     outputs = re.findall(r"= (\(.*?\)) conditional\(", hlo)
-    assert all(re.fullmatch(r"\(s32\[\d+\]\{0\}\)", out) for out in outputs), outputs
+    schedule = r"\(s32\[4,256\]\{1,0\}, s32\[\d+\]\{0\}\)"
+    assert all(re.fullmatch(schedule, out) for out in outputs), outputs
     assert len(outputs) <= 2 * len(want)
 
 

@@ -9,8 +9,33 @@ means a particular subset (the strategies that accept a given argument, say) wri
 
 from __future__ import annotations
 
+import itertools
+import os
+
 import jax
 import jax.numpy as jnp
+
+# ----------------------------------------------------------------------------- cross-products
+
+# ``make test-full`` (tests/conftest.py reads the same variable before JAX starts).
+FULL = os.environ.get("DYNDEPTH_FULL") == "1"
+
+
+def covering(*axes: list, crossed: int = 2) -> list[tuple]:
+    """Tuples of one value per axis: with ``DYNDEPTH_FULL=1`` (``make test-full``) every
+    combination; otherwise the first ``crossed`` axes in every combination and each later axis
+    turning with the combination's position (the sum of its indices), so that every value of
+    a later axis meets every value of each crossed axis at least as long as it. ``make test``
+    then compiles a fraction of a cross-product and still meets every pair that matters."""
+    if FULL:
+        return list(itertools.product(*axes))
+    out = []
+    for index in itertools.product(*(range(len(a)) for a in axes[:crossed])):
+        turn = sum(index)
+        values = [a[i] for a, i in zip(axes, index, strict=False)]
+        out.append(tuple(values + [a[turn % len(a)] for a in axes[crossed:]]))
+    return out
+
 
 # ----------------------------------------------------------------------------- strategies
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import applicable, dyndepth_loops, tree_allclose
-from shared_lists import DISTRIBUTIONS, depths_of, long_tail_depths, uniform_depths
+from shared_lists import DISTRIBUTIONS, FULL, depths_of, long_tail_depths, uniform_depths
 
 import dyndepth
 from dyndepth import _budget, _checks, _slots
@@ -245,7 +245,9 @@ def test_executed_sample_steps_close_to_sum_of_depths(dist, hi):
     assert int(st["executed_sample_steps"]) < B * int(ds.max())
 
 
-@pytest.mark.parametrize("B, slots", [(64, "work"), (256, "work"), (1024, "work")])
+@pytest.mark.parametrize(
+    "B, slots", [(64, "work"), (1024, "work")] + ([(256, "work")] if FULL else [])
+)
 def test_work_within_bound_on_every_distribution_forward_and_backward(B, slots):
     """Rows evaluated by the step, counted by a callback inside it (idle rows count too):
     <= 1.15 x sum(depth) forward and backward; values and gradients equal the masked loop's.

@@ -19,7 +19,13 @@ import jax.test_util
 import numpy as np
 import pytest
 from helpers import reference_repeat, reference_scan, run_on_eight_devices, tree_allclose
-from shared_lists import CHECKPOINTING_STRATEGIES, GRAD_STRATEGIES, RBG_IMPLS
+from shared_lists import (
+    CHECKPOINTING_STRATEGIES,
+    FULL,
+    GRAD_STRATEGIES,
+    RBG_IMPLS,
+    covering,
+)
 
 import dyndepth as dd
 
@@ -71,8 +77,13 @@ FORMS = {
 }
 
 
-@pytest.mark.parametrize("strategy", GRAD_STRATEGIES)
-@pytest.mark.parametrize("form", list(FORMS))
+# Each form under one strategy of a backward pass of its own, the two turning; every form under
+# every strategy with DYNDEPTH_FULL=1 ("masked" is JAX's differentiation of a masked loop).
+FORM_CASES = covering(list(FORMS), GRAD_STRATEGIES if FULL else CHECKPOINTING_STRATEGIES,
+                      crossed=1)  # fmt: skip
+
+
+@pytest.mark.parametrize(("form", "strategy"), FORM_CASES)
 def test_second_order_forms_equal_the_plain_loop(form, strategy):
     transform = FORMS[form]
     for depth in (0, 3, 5):
@@ -91,10 +102,13 @@ XB = jnp.array([[0.3, -0.2], [0.5, 0.1], [-0.4, 0.2], [0.25, -0.6], [0.1, 0.4]])
 DB = jnp.array([3, 0, 5, 2, 4])
 
 
-@pytest.mark.parametrize("slots", [5, 2], ids=["lockstep", "wrap-around"])
-@pytest.mark.parametrize("checkpoints", [None, 2])
-@pytest.mark.parametrize("form", list(BATCH_FORMS))
-def test_second_order_of_a_scheduled_batch(form, checkpoints, slots):
+BATCH_CASES = covering(list(BATCH_FORMS), [5, 2], [None, 2])
+
+
+@pytest.mark.parametrize(("form", "slots", "checkpoints"), BATCH_CASES,
+                         ids=[f"{f}-{'lockstep' if s == 5 else 'wrap-around'}-K{k}"
+                              for f, s, k in BATCH_CASES])  # fmt: skip
+def test_second_order_of_a_scheduled_batch(form, slots, checkpoints):
     """Every second-order form of a batch on each schedule, every carry stored or thinned,
     against the plain-Python loop per sample (the stored carries' reads are differentiated
     too: forward over reverse perturbs them)."""
@@ -137,8 +151,8 @@ def test_loop_inside_another_loops_step(outer, inner):
         tree_allclose(FORMS[name](got_loss)(0.4), FORMS[name](ref_loss)(0.4), **TOL, err_msg=name)
 
 
-@pytest.mark.parametrize("impl", RBG_IMPLS)
-@pytest.mark.parametrize("strategy", CHECKPOINTING_STRATEGIES)
+@pytest.mark.parametrize(("impl", "strategy"),
+                         covering(RBG_IMPLS, CHECKPOINTING_STRATEGIES, crossed=1))  # fmt: skip
 def test_vmapped_loop_with_rbg_keys(impl, strategy):
     """``rbg`` keys under ``vmap`` run one sample at a time inside the library's own
     ``lax.map``, which hid the outer reverse pass."""
@@ -222,7 +236,10 @@ def scan_step(d):
     return f
 
 
-SCAN_CASES = list(itertools.product([False, True], [False, True], GRAD_STRATEGIES, [5, 3]))
+# (every jit form under every strategy, the depth turning; both depths with DYNDEPTH_FULL=1)
+SCAN_CASES = [(*jits, strategy, depth) for jits, strategy, depth
+              in covering(list(itertools.product([False, True], [False, True])),
+                          GRAD_STRATEGIES, [5, 3])]  # fmt: skip
 
 
 @pytest.mark.parametrize(("jit_scan", "jit_f", "strategy", "depth"), SCAN_CASES,

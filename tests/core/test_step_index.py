@@ -9,13 +9,12 @@ or counted in the scheduler's slot instead of the sample's own step shows as a m
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import pytest
 from helpers import tree_allclose
-from shared_lists import cfg_id
+from shared_lists import cfg_id, covering
 from test_transform_matrix import (
     CONFIGS,
     DEPTH_SETS,
@@ -149,18 +148,11 @@ def expected(case, transform, depths="all"):
     return transform(python_vmap, ref, PARAMS, sample_args(case, DEPTH_SETS[depths]))
 
 
-def covering(transforms, configs):
-    """Every case under every transform once, the configuration rotating (as the matrix's
-    covering subset); all of them with ``DYNDEPTH_FULL=1``."""
-    if os.environ.get("DYNDEPTH_FULL") == "1":
-        return [(c, t, k) for c in CASES for t in transforms for k in configs]
-    return [(c, t, configs[(i + j) % len(configs)])
-            for i, c in enumerate(CASES) for j, t in enumerate(transforms)]  # fmt: skip
-
-
+# Every case under every transform once, the configuration turning (as the matrix's covering
+# subset); all of them with ``DYNDEPTH_FULL=1``.
 REVERSE_CFGS = [c for c in CONFIGS if c[0] != "while"]
-TRIPLES = [(c, n, k, REVERSE) for c, n, k in covering(list(REVERSE), REVERSE_CFGS)]
-TRIPLES += [(c, n, k, FORWARD) for c, n, k in covering(list(FORWARD), CONFIGS)]
+TRIPLES = [(c, n, k, REVERSE) for c, n, k in covering(list(CASES), list(REVERSE), REVERSE_CFGS)]
+TRIPLES += [(c, n, k, FORWARD) for c, n, k in covering(list(CASES), list(FORWARD), CONFIGS)]
 
 
 @pytest.mark.parametrize(

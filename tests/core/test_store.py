@@ -9,6 +9,7 @@ import pytest
 from helpers import Counter, run_on_eight_devices
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from shared_lists import FULL, covering
 
 import dyndepth as dd
 from dyndepth import _store
@@ -111,7 +112,7 @@ def test_cells_read_and_write_each_layout_as_plain_python(rows, steps, slots, ax
     np.testing.assert_array_equal(out, expected)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40 if FULL else 20, deadline=None)
 @given(
     lengths=st.lists(st.integers(0, 12), min_size=1, max_size=10),
     slots=st.integers(1, 10),
@@ -285,9 +286,11 @@ def _poisoned_blank(lead, aval):
     return jnp.ones(shape, aval.dtype)
 
 
-@pytest.mark.parametrize("slots", [None, 1, 3, 8])
-@pytest.mark.parametrize("checkpoints", [None, 1, 2, 5])
-@pytest.mark.parametrize("loop", ["repeat", "while_loop"])
+# (every store under every schedule, the loop turning; both loops each with DYNDEPTH_FULL=1)
+UNSET_CASES = covering([None, 1, 2, 5], [None, 1, 3, 8], ["repeat", "while_loop"])
+
+
+@pytest.mark.parametrize(("checkpoints", "slots", "loop"), UNSET_CASES)
 def test_cells_the_store_leaves_unset_are_never_used(monkeypatch, loop, checkpoints, slots):
     """The stored carries' buffers are left unset where the backend allows
     (``_sharding.blank``: ``lax.empty``, which a CPU fills with zeros). Filled with NaN here
@@ -387,8 +390,7 @@ def test_a_store_laid_out_by_rows_is_read_whole_and_never_scattered(monkeypatch,
         assert int(executed) == lockstep
 
 
-@pytest.mark.parametrize("batched", [True, False])
-@pytest.mark.parametrize("checkpoints", [None, 2])
+@pytest.mark.parametrize(("batched", "checkpoints"), covering([True, False], [None, 2], crossed=1))
 def test_cells_left_unset_are_never_used_in_second_order(monkeypatch, batched, checkpoints):
     """Reverse over reverse and forward over reverse (the Hessian-vector product of a loss's
     gradient) with the stores filled with NaN: those of plain Python, batched or not."""

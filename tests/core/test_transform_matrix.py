@@ -13,13 +13,12 @@ checkpointing and the composition.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import pytest
 from helpers import reference_repeat, reference_scan, reference_while, tree_allclose
-from shared_lists import cfg_id
+from shared_lists import cfg_id, covering
 
 import dyndepth as dd
 
@@ -346,10 +345,7 @@ def matrix(transforms, configs):
     every transform once, the configuration rotating, so that every case also meets every
     configuration (twice or more under the reverse transforms) and every transform meets
     several."""
-    if os.environ.get("DYNDEPTH_FULL") == "1":
-        return [(c, t, k) for c in CASES for t in transforms for k in configs]
-    return [(c, t, configs[(i + j) % len(configs)])
-            for i, c in enumerate(CASES) for j, t in enumerate(transforms)]  # fmt: skip
+    return covering(list(CASES), transforms, configs)
 
 
 def ids(triple):

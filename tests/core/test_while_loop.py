@@ -15,7 +15,7 @@ from helpers import (
     tree_equal,
 )
 from jax import lax
-from shared_lists import MID_GRAD_CONFIGS, SHORT_GRAD_CONFIGS, STRATEGIES, cfg_id
+from shared_lists import FULL, MID_GRAD_CONFIGS, SHORT_GRAD_CONFIGS, STRATEGIES, cfg_id
 
 import dyndepth as dd
 
@@ -693,7 +693,7 @@ def _queue_iterations(steps, priority, slots):
     return max(free_at)
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(6 if FULL else 3))
 def test_priority_orders_the_queue_and_changes_no_result(seed):
     """Random stopping steps and priorities (ints or floats, ties, NaNs): with ``priority``
     the outputs, steps and gradients equal those without, and the loop's iterations are those

@@ -19,8 +19,9 @@ lint: venv
 
 # two test processes (pytest-xdist): JAX compiles are mostly single-threaded, so two cores run
 # two at once (a fresh clone's `make test`, the venv included from pip's cache, took 12.7
-# minutes on this project's 2-core machine, 2026-12-04, 850 tests; 8.7-9.2 before the step
-# index, weak-type, rbg-key and second-order suites); `make test PYTEST_ARGS=` runs one process.
+# minutes on this project's 2-core machine, 2026-12-04, 850 tests; 22.9 on a slower one,
+# 2026-12-07, 1,232 tests, 30.5 there before the covering subsets of tests/shared_lists.py);
+# three processes ran a test file slower than two; `make test PYTEST_ARGS=` runs one process.
 # tests/conftest.py compiles at XLA's CPU backend level 0 except with DYNDEPTH_FULL=1.
 # The suite includes the documentation (tests/packaging/test_docs.py runs its code,
 # tests/packaging/test_site.py builds the site and checks its pages) and the packaging

@@ -53,8 +53,9 @@ def _strict_float32_session():
 
 
 # ``make test`` skips the tests marked ``slow`` (a second, larger run of what faster tests
-# already check: end-to-end training runs, larger workloads, more property examples) to stay
-# within about ten minutes on two cores; ``make test-full`` (``DYNDEPTH_FULL=1``) runs them.
+# already check: end-to-end training runs, larger workloads, more property examples) and the
+# cross-products beyond their covering subsets (``shared_lists.covering``) to stay short on two
+# cores; ``make test-full`` (``DYNDEPTH_FULL=1``) runs them.
 
 
 def pytest_configure(config):

@@ -39,12 +39,11 @@ QUICK = {"narrow": (256, 16, 40, "uniform", (256, 128, 32)),
          "wide, long tail": (128, 64, 32, "long-tail", (128, 64, 16))}  # fmt: skip
 
 
-def losses(max_depth: int, counts: tuple) -> dict:
+def losses(batch: int, max_depth: int, counts: tuple) -> dict:
     """label -> loss(W, xs, ds) returning ``(value, stats)``. Beside the default, the time
     rule over the five counts of a small step's ladder (``B``, ``B / 2``, ``B / 4``, ``B / 8``,
     ``B / 32``): the counts the default leaves out on a TPU (those whose rows with twice their
     moves are as many as the batch's) kept, each a loop of the chain that does not run."""
-    batch = counts[0]
     ladder = tuple(max(1, batch >> k) for k in (0, 1, 2, 3, 5))
 
     def dyndepth_loss(slots):
@@ -75,7 +74,7 @@ def workload(name: str, spec: tuple, repeats: int) -> None:
         depths_of(dist, k[2], batch, max_depth),
     )
     fns = {lab: jax.jit(jax.value_and_grad(f, has_aux=True))
-           for lab, f in losses(max_depth, counts).items()}  # fmt: skip
+           for lab, f in losses(batch, max_depth, counts).items()}  # fmt: skip
     iters = {}
     for lab, fn in fns.items():
         (_, stats), _ = fn(*args)

@@ -24,6 +24,7 @@ from test_transform_matrix import (
     MAX,
     PARAMS,
     REVERSE,
+    REVERSE_CONFIGS,
     SEQ,
     TOL,
     X,
@@ -150,8 +151,8 @@ def expected(case, transform, depths="all"):
 
 # Every case under every transform once, the configuration turning (as the matrix's covering
 # subset); all of them with ``DYNDEPTH_FULL=1``.
-REVERSE_CFGS = [c for c in CONFIGS if c[0] != "while"]
-TRIPLES = [(c, n, k, REVERSE) for c, n, k in covering(list(CASES), list(REVERSE), REVERSE_CFGS)]
+TRIPLES = [(c, n, k, REVERSE)
+           for c, n, k in covering(list(CASES), list(REVERSE), REVERSE_CONFIGS)]  # fmt: skip
 TRIPLES += [(c, n, k, FORWARD) for c, n, k in covering(list(CASES), list(FORWARD), CONFIGS)]
 
 

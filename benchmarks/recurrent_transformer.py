@@ -2,7 +2,8 @@
 
 The model, in the style of the seed author's code: an Equinox recurrent core (the input
 re-injected at every iteration, "recall"; multi-head attention and an MLP, pre-norm, dropout
-with a key per iteration) on one sample's ``(L, D)`` activations, B=32, D=64, L=16, 4 heads.
+with a key per iteration) on one sample's ``(L, D)`` activations; by default B=32, D=64, L=16, 4
+heads (``--batch``, ``--width``, ``--length``, ``--heads``).
 Training draws ``(n, k)`` with ``dyndepth.nn.sample_nk(max_iters=16)`` (Bansal et al.'s draw:
 ``n + k`` has mean about 12.25 and is at most 16) and runs ``dyndepth.nn.recurrent_depth``
 (``n`` iterations without gradient, then ``k`` with gradient, the loss on the final state):
@@ -27,6 +28,7 @@ How to run (from the repository root; Equinox comes with the ``bench`` and ``tes
 
     .venv/bin/python benchmarks/recurrent_transformer.py
     .venv/bin/python benchmarks/recurrent_transformer.py --quick   # one compile each, no Equinox
+    python benchmarks/recurrent_transformer.py --batch 256 --length 64 --width 512 --heads 8
 
 ``--quick`` takes about a minute or more on the 2-core development machine: the per-sample
 program alone compiles in 30-60 s there (five slot counts, each a copy of the core, forward and
@@ -46,7 +48,7 @@ from measure import best_seconds, compile_times, machine_line, table, temp_mib
 import dyndepth as dd
 import dyndepth.nn as dnn
 
-B, D, L, HEADS, MAX_ITERS = 32, 64, 16, 4, 16
+MAX_ITERS = 16
 
 
 class Core(eqx.Module):
@@ -60,12 +62,13 @@ class Core(eqx.Module):
     down: eqx.nn.Linear
     dropout: eqx.nn.Dropout
 
-    def __init__(self, key):
+    def __init__(self, key, width: int, heads: int):
         k = jax.random.split(key, 4)
-        self.inject = eqx.nn.Linear(2 * D, D, key=k[0])
-        self.norm1, self.norm2 = eqx.nn.LayerNorm(D), eqx.nn.LayerNorm(D)
-        self.attn = eqx.nn.MultiheadAttention(HEADS, D, key=k[1])
-        self.up, self.down = eqx.nn.Linear(D, 4 * D, key=k[2]), eqx.nn.Linear(4 * D, D, key=k[3])
+        self.inject = eqx.nn.Linear(2 * width, width, key=k[0])
+        self.norm1, self.norm2 = eqx.nn.LayerNorm(width), eqx.nn.LayerNorm(width)
+        self.attn = eqx.nn.MultiheadAttention(heads, width, key=k[1])
+        self.up = eqx.nn.Linear(width, 4 * width, key=k[2])
+        self.down = eqx.nn.Linear(4 * width, width, key=k[3])
         self.dropout = eqx.nn.Dropout(0.1)
 
     def __call__(self, s, x, key, scale=1.0):
@@ -81,7 +84,7 @@ def per_sample_loss(scale):
         core = eqx.combine(params, static)
 
         def one(x, n, k, key):
-            s = dnn.recurrent_depth(lambda s, x, kk: core(s, x, kk, scale), jnp.zeros((L, D)),
+            s = dnn.recurrent_depth(lambda s, x, kk: core(s, x, kk, scale), jnp.zeros_like(x),
                                     x, n=n, k=k, max_n=MAX_ITERS - 1, max_k=MAX_ITERS,
                                     key=key)  # fmt: skip
             return jnp.mean(s**2)
@@ -96,7 +99,7 @@ def per_batch_loss(scale):
         core = eqx.combine(params, static)
 
         def one(x, key):
-            s = dnn.recurrent_depth(lambda s, x, kk: core(s, x, kk, scale), jnp.zeros((L, D)),
+            s = dnn.recurrent_depth(lambda s, x, kk: core(s, x, kk, scale), jnp.zeros_like(x),
                                     x, n=n, k=k, max_n=MAX_ITERS - 1, max_k=MAX_ITERS,
                                     key=key)  # fmt: skip
             return jnp.mean(s**2)
@@ -116,7 +119,7 @@ def equinox_loss(scale):
                 s = core(s, x, dd.step_key(key, i), scale)
                 return i + 1, jnp.where(i + 1 <= n, jax.lax.stop_gradient(s), s)
 
-            init = (jnp.int32(0), jnp.zeros((L, D)))
+            init = (jnp.int32(0), jnp.zeros_like(x))
             _, s = eqxi.while_loop(lambda c: c[0] < n + k, body, init, max_steps=MAX_ITERS,
                                    kind="checkpointed")  # fmt: skip
             return jnp.mean(s**2)
@@ -137,10 +140,20 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3, help="distinct programs per compile median")
     p.add_argument("--quick", action="store_true", help="one compile each, 3 rounds, no Equinox")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--length", type=int, default=16, help="tokens per sample")
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
     a = p.parse_args()
+    for flag in ("batch", "length", "width", "heads"):
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag} must be at least 1, got {getattr(a, flag)}")
+    if a.width % a.heads:
+        p.error(f"--width must be a multiple of --heads ({a.heads}), got {a.width}")
+    B, L, D, HEADS = a.batch, a.length, a.width, a.heads
     rounds, repeats = (3, 1) if a.quick else (a.rounds, a.repeats)
     print(machine_line())
-    params, static = eqx.partition(Core(jax.random.key(0)), eqx.is_array)
+    params, static = eqx.partition(Core(jax.random.key(0), D, HEADS), eqx.is_array)
     xs = jax.random.normal(jax.random.key(1), (B, L, D))
     n, k = dnn.sample_nk(jax.random.key(2), (B,), max_iters=MAX_ITERS)
     keys = jax.random.split(jax.random.key(3), B)

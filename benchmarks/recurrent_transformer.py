@@ -144,6 +144,12 @@ def main() -> None:
     p.add_argument("--length", type=int, default=16, help="tokens per sample")
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument(
+        "--precision",
+        choices=["default", "high", "highest"],
+        default=None,
+        help="jax.default_matmul_precision for every program (default: jax's own)",
+    )
     a = p.parse_args()
     for flag in ("batch", "length", "width", "heads"):
         if getattr(a, flag) < 1:
@@ -151,6 +157,8 @@ def main() -> None:
     if a.width % a.heads:
         p.error(f"--width must be a multiple of --heads ({a.heads}), got {a.width}")
     B, L, D, HEADS = a.batch, a.length, a.width, a.heads
+    if a.precision:
+        jax.config.update("jax_default_matmul_precision", a.precision)
     rounds, repeats = (3, 1) if a.quick else (a.rounds, a.repeats)
     print(machine_line())
     params, static = eqx.partition(Core(jax.random.key(0), D, HEADS), eqx.is_array)
@@ -162,7 +170,8 @@ def main() -> None:
     useful["Equinox checkpointed"] = useful["per-sample"]
     print(f"B={B}, L={L}, D={D}, {HEADS} heads, max_iters {MAX_ITERS}; per-sample n + k: mean "
           f"{float((n + k).mean()):.2f}, max {int((n + k).max())}, mean k {float(k.mean()):.2f}; "
-          f"per-batch n = {int(n_b)}, k = {int(k_b)}\n")  # fmt: skip
+          f"per-batch n = {int(n_b)}, k = {int(k_b)}; matmul precision "
+          f"{a.precision or 'jax default'}\n")  # fmt: skip
     losses = {"per-sample": per_sample_loss, "per-batch": per_batch_loss}
     if not a.quick:
         losses["Equinox checkpointed"] = equinox_loss

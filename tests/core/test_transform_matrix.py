@@ -13,14 +13,17 @@ checkpointing and the composition.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import TEST_COST
 from helpers import reference_repeat, reference_scan, reference_while, tree_allclose
 from shared_lists import cfg_id, covering
 
 import dyndepth as dd
+from dyndepth import _cost
 
 B = 3  # samples
 G = 2  # groups, for the transforms with two batch axes
@@ -333,12 +336,17 @@ def expected(case, transform, depths="all"):
     return transform(python_vmap, ref, PARAMS, sample_args(case, DEPTH_SETS[depths]))
 
 
-def check(case, cfg, transform):
+def check(case, cfg, transform, program=None):
+    """The transformed dyndepth function against the reference; ``program``, if given, is
+    called with the compiled program's text first."""
     fn, _ = CASES[case](*cfg[:2])
     args = sample_args(case, depths_of(cfg))
-    got = jax.jit(lambda p, *a: transform(jax.vmap, fn, p, a))(PARAMS, *args)
+    compiled = jax.jit(lambda p, *a: transform(jax.vmap, fn, p, a)).lower(PARAMS, *args).compile()
+    if program is not None:
+        program(compiled.as_text())
     want = expected(case, transform, depth_set(cfg))
-    tree_allclose(got, want, **TOL, err_msg=f"{case} {cfg_id(cfg)} {transform.__name__}")
+    tree_allclose(compiled(PARAMS, *args), want, **TOL,
+                  err_msg=f"{case} {cfg_id(cfg)} {transform.__name__}")  # fmt: skip
 
 
 def matrix(transforms, configs):
@@ -371,6 +379,51 @@ def test_reverse_mode_matrix(case, name, cfg):
 )
 def test_forward_matrix(case, name, cfg):
     check(case, cfg, FORWARD[name])
+
+
+# A GPU's kernels differ from this CPU's (and a TPU's) where the platform decides
+# (dyndepth._cost.conditionals_on_device): a conditional chooses among the slot counts where
+# this CPU chains their loops, a thinned lockstep store is written without conditionals, and a
+# wrap-around pass writes its store in schedule order only where the loop's shapes make it
+# fit. Emulated here by the platform the kernels are traced for, with the tests' iteration
+# cost, under which a ladder has several counts. The loops that choose among slot counts
+# (repeat, scan and recurrent_depth's), under the transforms that batch them one level deep
+# (under a second level, the outer ``vmap`` turns the conditional into a select).
+GPU_CASES = ["repeat", "scan", "recurrent_depth"]
+ONE_LEVEL = [
+    "vmap(grad)",
+    "grad(vmap)",
+    "vmap(jacrev)",
+    "jacrev(vmap)",
+    "vmap(vmap(grad)) cotangent-only inner",
+    "vmap(grad) per-sample params",
+    "jvp(vmap)",
+]
+GPU_TRANSFORMS = {name: {**REVERSE, **FORWARD}[name] for name in ONE_LEVEL}
+GPU_CONFIGS = [c for c in CONFIGS if c[0] == "auto"]
+GPU_MATRIX = covering(list(GPU_TRANSFORMS), GPU_CASES, GPU_CONFIGS, crossed=1)
+
+
+@pytest.fixture
+def traced_for_a_gpu(monkeypatch):
+    monkeypatch.setattr(_cost, "current_platform", lambda: "cuda")
+    dd.set_iteration_cost("cuda", TEST_COST)
+    yield
+    dd.set_iteration_cost("cuda", None)
+
+
+def a_conditional_over_the_counts(hlo):
+    # B=3 samples: a ladder of three counts (3, 2, 1), one conditional of three branches per
+    # pass (a chain's conditionals have two: a count's set-up or nothing).
+    branches = [len(m.split(",")) for m in re.findall(r"branch_computations=\{([^}]*)\}", hlo)]
+    assert 3 in branches, branches
+
+
+@pytest.mark.parametrize(
+    ("name", "case", "cfg"), GPU_MATRIX, ids=[ids((c, n, g)) for n, c, g in GPU_MATRIX]
+)
+def test_gpu_kernels_matrix(traced_for_a_gpu, name, case, cfg):
+    check(case, cfg, GPU_TRANSFORMS[name], program=a_conditional_over_the_counts)
 
 
 @pytest.mark.parametrize("name", list(REVERSE))

@@ -13,6 +13,7 @@ checkpointing and the composition.
 from __future__ import annotations
 
 import functools
+import os
 import re
 
 import jax
@@ -431,3 +432,13 @@ def test_while_strategy_rejects_every_reverse_mode(name):
     fn, _ = repeat_case("while", None)
     with pytest.raises(TypeError, match="checkpointed"):
         jax.jit(lambda p, *a: REVERSE[name](jax.vmap, fn, p, a))(PARAMS, *sample_args("repeat"))
+
+
+def test_the_guarantees_page_counts_this_matrix():
+    """docs/guarantees.md gives the matrix's sizes under ``make test`` and ``make test-full``."""
+    page = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "guarantees.md")).read()
+    full = len(CASES) * (len(REVERSE) * len(REVERSE_CONFIGS) + len(FORWARD) * len(CONFIGS))
+    covered = len(CASES) * (len(REVERSE) + len(FORWARD))  # (the first two axes crossed)
+    gpu_full = len(GPU_TRANSFORMS) * len(GPU_CASES) * len(GPU_CONFIGS)
+    assert f"a covering subset ({covered}:" in page and f"runs all {full}." in page
+    assert f"{len(GPU_TRANSFORMS)} in `make test`, {gpu_full} in `make test-full`" in page

@@ -1,15 +1,15 @@
 """A loop under two ``vmap`` levels against the same samples under one.
 
 ``jax.vmap(jax.vmap(repeat))`` over ``G`` groups of ``B / G`` samples computes what
-``jax.vmap(repeat)`` over all ``B`` does, but each group chooses its own slot count at run
-time, so the choice is batched over the outer level. Traced for this CPU (or a TPU), the slot
-counts' loops run one after another, each masked to the groups that chose it; traced for a GPU
-the counts sit under one conditional, and a batched conditional becomes a select: every
-count's loop runs, for every group. The GPU's program is traced here on the host by setting
-the platform the kernels are traced for (a private hook: ``dyndepth._cost.current_platform``)
-with the CPU's time model, so that both programs choose among the same counts; both run on
-this CPU. It prints the forward time (best of ``--rounds`` interleaved rounds), the loops and
-the conditionals in each optimized program.
+``jax.vmap(repeat)`` over all ``B`` does. The slot count is chosen once for every group
+(``dyndepth._slots.outer_levels``); a choice per group would be batched over the outer level,
+which on a CPU or a TPU runs the counts' chained loops masked to the groups that chose them and
+on a GPU, whose counts sit under one conditional, turns that conditional into a select that
+runs every count's loop. The GPU's program is traced here on the host by setting the platform
+the kernels are traced for (a private hook: ``dyndepth._cost.current_platform``) with the
+CPU's time model, so that both programs choose among the same counts; both run on this CPU.
+It prints the forward time (best of ``--rounds`` interleaved rounds), the loops and the
+conditionals in each optimized program (a select where a conditional was shows as fewer).
 
 How to run (from the repository root)::
 

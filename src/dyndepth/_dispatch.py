@@ -100,8 +100,13 @@ def _outer_vmap(fn, level: Level, operands, in_axes, out_axes, finish, shared, p
         # this device's share of the level (all of it on one device)
         size = next((op.shape[ax] for op, ax in zip(ops, in_axes, strict=True) if ax is not None),
                     level.size)  # fmt: skip
-        mapped = jax.vmap(fn, in_axes=list(in_axes), out_axes=out_axes, axis_size=size)
-        with partitioning(False):  # the inner levels' kernels already run on this device
+        # (named, so that the inner levels' choices are made once over it: _slots.outer_levels)
+        levels = _slots.current_outer_levels()
+        name = f"dyndepth_level_{len(levels)}"
+        mapped = jax.vmap(fn, in_axes=list(in_axes), out_axes=out_axes, axis_size=size,
+                          axis_name=name)  # fmt: skip
+        with partitioning(False), _slots.outer_levels((*levels, name)):
+            # (the inner levels' kernels already run on this device)
             return finish(list(mapped(*ops)))
 
     def split(*ops):  # (outputs batched over the level, the shared ones)
@@ -278,7 +283,9 @@ def _forward_pick(loop: Loop, rule: _slots.SlotRule, n: jax.Array, store: bool,
         iterations = _slots.iterations(total, longest, S)
         return S >= rows or (rows % S == 0 and _store.fits_in_order(iterations, S, K, rows))
 
-    ok = jnp.stack([jnp.asarray(fits(S)) for S in rule.candidates])
+    # (a count that does not fit one outer element's rows is left out for all of them)
+    misfit = jnp.stack([jnp.logical_not(fits(S)).astype(jnp.int32) for S in rule.candidates])
+    ok = _slots.worst_over_levels(misfit) == 0
     return jnp.where(ok[choice], choice, rule.candidates.index(rows))
 
 

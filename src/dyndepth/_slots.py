@@ -12,13 +12,16 @@ of the steps; the kernels never decide a count.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 
-from . import _cost
+from . import _cost, _sharding
 from ._leaves import nbytes
 from ._step import Loop
 
@@ -147,6 +150,42 @@ def _rule_of(loop: Loop, batch: int, cost: _cost.IterationCost,
     return SlotRule.of(loop.slots, batch, fixed, size, cost.moved_rows(flops))
 
 
+# The axis names of the ``vmap``s that map a kernel over the batch levels outside its rows (see
+# dyndepth._dispatch): a choice made at run time is made once across their elements, from the
+# worst of theirs. Made per element it would be batched, and a batched conditional runs every
+# branch (XLA's select); a chain's loops would each run, masked to the elements that chose it.
+_OUTER_LEVELS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "dyndepth_outer_levels", default=()
+)
+
+
+@contextlib.contextmanager
+def outer_levels(names: tuple[str, ...]) -> Iterator[None]:
+    """While a kernel is traced under ``vmap``s over the axes ``names`` (outermost first); an
+    empty tuple: a kernel of its own, under none."""
+    token = _OUTER_LEVELS.set(names)
+    try:
+        yield
+    finally:
+        _OUTER_LEVELS.reset(token)
+
+
+def current_outer_levels() -> tuple[str, ...]:
+    return _OUTER_LEVELS.get()
+
+
+def worst_over_levels(x: jax.Array) -> jax.Array:
+    """``x``'s largest value over the elements of the outer levels (``x`` under none): the same
+    for every element, so a choice made from it is not batched. Inside a ``shard_map`` (one
+    loop per device) ``x`` itself: JAX's collectives there reduce over mesh axes only. Only for
+    choices that any value may take (a slot count run forward, or backward where the store is
+    not in schedule order)."""
+    names = _OUTER_LEVELS.get()
+    if not names or _sharding.manual_axes():
+        return x
+    return jax.lax.pmax(x, names)
+
+
 def refill_slots(slots: int | tuple[int, ...] | str | None, batch: int,
                  fixed_rows: float | None, moved_rows: float = 0.0) -> int:  # fmt: skip
     """The slot count of continuous batching (stopping steps unknown up front): ``slots``, the
@@ -187,22 +226,26 @@ def choose_by_time(lengths: jax.Array, candidates: tuple[int, ...], fixed_rows: 
                    moved_rows: float = 0.0):  # fmt: skip
     """Index into ``candidates`` (descending) of the slot count of least modeled time (the
     first, so the most slots, among equals); a count of as many slots as ``lengths`` has rows
-    runs in lockstep, without moves."""
+    runs in lockstep, without moves. Under outer levels (:func:`outer_levels`), of least time
+    in their slowest element."""
     rows = lengths.shape[0]
     lengths = lengths.astype(jnp.int32)
     total, longest = jnp.sum(lengths), jnp.max(lengths, initial=0)
     times = jnp.stack([modeled_time(total, longest, c, fixed_rows, moved_rows, c >= rows)
                        for c in candidates])  # fmt: skip
-    return jnp.argmin(times).astype(jnp.int32)
+    return jnp.argmin(worst_over_levels(times)).astype(jnp.int32)
 
 
 def choose_by_work(lengths: jax.Array, candidates: tuple[int, ...]) -> jax.Array:
     """Index into ``candidates`` (descending) of the largest slot count that executes at most
     ``(1 + WORK_SLACK) x sum(lengths)`` sample-steps, else of the one that executes fewest.
     The largest such count runs the fewest iterations; 1 slot always executes exactly the sum,
-    so the work bound holds for every distribution of lengths."""
+    so the work bound holds for every distribution of lengths. Under outer levels
+    (:func:`outer_levels`), the bound holds in each of their elements."""
     lengths = lengths.astype(jnp.int32)
     total = jnp.sum(lengths)
     work = jnp.stack([executed_steps(lengths, c) for c in candidates])
-    ok = work.astype(jnp.float32) <= (1 + WORK_SLACK) * total.astype(jnp.float32)
-    return jnp.where(jnp.any(ok), jnp.argmax(ok), jnp.argmin(work)).astype(jnp.int32)
+    excess = work.astype(jnp.float32) - (1 + WORK_SLACK) * total.astype(jnp.float32)
+    ok = worst_over_levels(excess) <= 0
+    pick = jnp.where(jnp.any(ok), jnp.argmax(ok), jnp.argmin(worst_over_levels(work)))
+    return pick.astype(jnp.int32)

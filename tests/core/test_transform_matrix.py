@@ -388,19 +388,23 @@ def test_forward_matrix(case, name, cfg):
 # wrap-around pass writes its store in schedule order only where the loop's shapes make it
 # fit. Emulated here by the platform the kernels are traced for, with the tests' iteration
 # cost, under which a ladder has several counts. The loops that choose among slot counts
-# (repeat, scan and recurrent_depth's), under the transforms that batch them one level deep
-# (under a second level, the outer ``vmap`` turns the conditional into a select).
+# (repeat, scan and recurrent_depth's), under the transforms that batch them per sample; under
+# two levels the count is chosen once for every outer element, which keeps the conditional
+# (a choice per element would turn it into a select).
 GPU_CASES = ["repeat", "scan", "recurrent_depth"]
-ONE_LEVEL = [
+BATCHED = [
     "vmap(grad)",
     "grad(vmap)",
     "vmap(jacrev)",
     "jacrev(vmap)",
     "vmap(vmap(grad)) cotangent-only inner",
+    "vmap(grad(vmap))",
+    "grad(vmap(vmap))",
     "vmap(grad) per-sample params",
+    "vmap(vmap)",
     "jvp(vmap)",
 ]
-GPU_TRANSFORMS = {name: {**REVERSE, **FORWARD}[name] for name in ONE_LEVEL}
+GPU_TRANSFORMS = {name: {**REVERSE, **FORWARD}[name] for name in BATCHED}
 GPU_CONFIGS = [c for c in CONFIGS if c[0] == "auto"]
 GPU_MATRIX = covering(list(GPU_TRANSFORMS), GPU_CASES, GPU_CONFIGS, crossed=1)
 

@@ -2,7 +2,7 @@
 
 ``jax.vmap(jax.vmap(repeat))`` over ``G`` groups of ``B / G`` samples computes what
 ``jax.vmap(repeat)`` over all ``B`` does. The slot count is chosen once for every group
-(``dyndepth._slots.outer_levels``); a choice per group would be batched over the outer level,
+(``dyndepth._slots.outer_level``); a choice per group would be batched over the outer level,
 which on a CPU or a TPU runs the counts' chained loops masked to the groups that chose them and
 on a GPU, whose counts sit under one conditional, turns that conditional into a select that
 runs every count's loop. The GPU's program is traced here on the host by setting the platform

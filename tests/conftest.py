@@ -21,6 +21,7 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 import dyndepth as dd  # noqa: E402
+from dyndepth import _cost  # noqa: E402
 
 # Strict promotion at import, before any test module builds an array: Python scalars mixed with
 # arrays stay fine (weak types), but float32 mixed with int32 arrays is an error, so a loop that
@@ -40,6 +41,20 @@ sys.path.insert(0, os.path.dirname(__file__))
 # (tests/core/test_schedule.py checks the measured defaults apart).
 TEST_COST = dd.IterationCost(fixed_seconds=1e-9, flops_per_second=1e30, row_floor_seconds=1e-9)
 dd.set_iteration_cost("cpu", TEST_COST)
+
+
+@pytest.fixture
+def trace_kernels_for(monkeypatch):
+    """``trace_kernels_for(platform)``: until the test ends, the loops' kernels are traced as for
+    ``platform`` (its decisions, such as a GPU's conditional over the slot counts where a CPU or
+    a TPU chains their loops), under the tests' iteration cost; they still run on this CPU."""
+
+    def trace_for(platform: str) -> None:
+        if platform != jax.default_backend():
+            monkeypatch.setattr(_cost, "current_platform", lambda: platform)
+            monkeypatch.setitem(_cost.BACKEND_COSTS, platform, TEST_COST)
+
+    return trace_for
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -34,6 +34,11 @@ def dyndepth_loops(hlo: str) -> dict[str, int]:
     return {d: loops.count(d) for d in ("forward", "backward")}
 
 
+def conditional_branches(hlo: str) -> list[int]:
+    """The number of branches of each conditional in a compiled program's text."""
+    return [len(m.split(",")) for m in re.findall(r"branch_computations=\{([^}]*)\}", hlo)]
+
+
 # ----------------------------------------------------------------------------- subprocesses
 
 

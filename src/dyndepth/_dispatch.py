@@ -100,13 +100,11 @@ def _outer_vmap(fn, level: Level, operands, in_axes, out_axes, finish, shared, p
         # this device's share of the level (all of it on one device)
         size = next((op.shape[ax] for op, ax in zip(ops, in_axes, strict=True) if ax is not None),
                     level.size)  # fmt: skip
-        # (named, so that the inner levels' choices are made once over it: _slots.outer_levels)
-        levels = _slots.current_outer_levels()
-        name = f"dyndepth_level_{len(levels)}"
-        mapped = jax.vmap(fn, in_axes=list(in_axes), out_axes=out_axes, axis_size=size,
-                          axis_name=name)  # fmt: skip
-        with partitioning(False), _slots.outer_levels((*levels, name)):
-            # (the inner levels' kernels already run on this device)
+        # (the inner levels' kernels already run on this device; the map's axis is named, so
+        # that their choices are made once over it: _slots.outer_level)
+        with partitioning(False), _slots.outer_level() as name:
+            mapped = jax.vmap(fn, in_axes=list(in_axes), out_axes=out_axes, axis_size=size,
+                              axis_name=name)  # fmt: skip
             return finish(list(mapped(*ops)))
 
     def split(*ops):  # (outputs batched over the level, the shared ones)

@@ -160,18 +160,16 @@ _OUTER_LEVELS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def outer_levels(names: tuple[str, ...]) -> Iterator[None]:
-    """While a kernel is traced under ``vmap``s over the axes ``names`` (outermost first); an
-    empty tuple: a kernel of its own, under none."""
-    token = _OUTER_LEVELS.set(names)
+def outer_level() -> Iterator[str]:
+    """While a kernel is traced under one more ``vmap`` over an outer level: the axis name that
+    ``vmap`` takes (unique among the levels around it)."""
+    names = _OUTER_LEVELS.get()
+    name = f"dyndepth_level_{len(names)}"
+    token = _OUTER_LEVELS.set((*names, name))
     try:
-        yield
+        yield name
     finally:
         _OUTER_LEVELS.reset(token)
-
-
-def current_outer_levels() -> tuple[str, ...]:
-    return _OUTER_LEVELS.get()
 
 
 def worst_over_levels(x: jax.Array) -> jax.Array:
@@ -226,7 +224,7 @@ def choose_by_time(lengths: jax.Array, candidates: tuple[int, ...], fixed_rows: 
                    moved_rows: float = 0.0):  # fmt: skip
     """Index into ``candidates`` (descending) of the slot count of least modeled time (the
     first, so the most slots, among equals); a count of as many slots as ``lengths`` has rows
-    runs in lockstep, without moves. Under outer levels (:func:`outer_levels`), of least time
+    runs in lockstep, without moves. Under outer levels (:func:`outer_level`), of least time
     in their slowest element."""
     rows = lengths.shape[0]
     lengths = lengths.astype(jnp.int32)
@@ -241,7 +239,7 @@ def choose_by_work(lengths: jax.Array, candidates: tuple[int, ...]) -> jax.Array
     ``(1 + WORK_SLACK) x sum(lengths)`` sample-steps, else of the one that executes fewest.
     The largest such count runs the fewest iterations; 1 slot always executes exactly the sum,
     so the work bound holds for every distribution of lengths. Under outer levels
-    (:func:`outer_levels`), the bound holds in each of their elements."""
+    (:func:`outer_level`), the bound holds in each of their elements."""
     lengths = lengths.astype(jnp.int32)
     total = jnp.sum(lengths)
     work = jnp.stack([executed_steps(lengths, c) for c in candidates])

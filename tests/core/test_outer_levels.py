@@ -1,5 +1,5 @@
 """A loop under two ``vmap`` levels chooses one slot count for every element of the outer one
-(``dyndepth._slots.outer_levels``): the choice is not batched, so the conditionals over the
+(``dyndepth._slots.outer_level``): the choice is not batched, so the conditionals over the
 counts (a GPU's) and over each count's set-up (a chain's) stay conditionals instead of selects
 that run every branch. The groups here prefer different counts alone (one shallow but for one
 deep sample, one deep throughout); values and gradients equal the plain-Python loop's, with
@@ -12,11 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import TEST_COST
 from helpers import reference_repeat, tree_allclose
 
 import dyndepth as dd
-from dyndepth import _cost
 
 D, MAX = 3, 8
 DEPTHS = jnp.array([[8, 0, 1, 0, 0, 1, 0, 0], [8, 7, 8, 6, 8, 7, 8, 5]], jnp.int32)
@@ -41,21 +39,12 @@ def reference_loss(W):
                for g in range(G) for b in range(B))  # fmt: skip
 
 
-@pytest.fixture(params=["cpu", "cuda"])
-def traced_for(request, monkeypatch):
-    """The kernels traced for this CPU, or for a GPU (its conditional over the counts)."""
-    if request.param != jax.default_backend():
-        monkeypatch.setattr(_cost, "current_platform", lambda: request.param)
-        dd.set_iteration_cost(request.param, TEST_COST)
-        yield request.param
-        dd.set_iteration_cost(request.param, None)
-    else:
-        yield request.param
-
-
 @pytest.mark.parametrize("slots", [None, "work"])
 @pytest.mark.parametrize("checkpoints", [None, 2])
-def test_one_count_for_every_outer_element(traced_for, checkpoints, slots):
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_one_count_for_every_outer_element(trace_kernels_for, platform, checkpoints, slots):
+    """The kernels traced for this CPU, or for a GPU (its conditional over the counts)."""
+    trace_kernels_for(platform)
     want = jax.value_and_grad(reference_loss)(W)
     vg = jax.jit(jax.value_and_grad(lambda W: loss(W, checkpoints, slots)))
     tree_allclose(vg(W), want, rtol=2e-5, atol=2e-5)

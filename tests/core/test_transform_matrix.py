@@ -13,18 +13,21 @@ checkpointing and the composition.
 from __future__ import annotations
 
 import functools
-import os
-import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import TEST_COST
-from helpers import reference_repeat, reference_scan, reference_while, tree_allclose
+from helpers import (
+    conditional_branches,
+    reference_repeat,
+    reference_scan,
+    reference_while,
+    tree_allclose,
+)
 from shared_lists import cfg_id, covering
 
 import dyndepth as dd
-from dyndepth import _cost
 
 B = 3  # samples
 G = 2  # groups, for the transforms with two batch axes
@@ -409,25 +412,18 @@ GPU_CONFIGS = [c for c in CONFIGS if c[0] == "auto"]
 GPU_MATRIX = covering(list(GPU_TRANSFORMS), GPU_CASES, GPU_CONFIGS, crossed=1)
 
 
-@pytest.fixture
-def traced_for_a_gpu(monkeypatch):
-    monkeypatch.setattr(_cost, "current_platform", lambda: "cuda")
-    dd.set_iteration_cost("cuda", TEST_COST)
-    yield
-    dd.set_iteration_cost("cuda", None)
-
-
 def a_conditional_over_the_counts(hlo):
     # B=3 samples: a ladder of three counts (3, 2, 1), one conditional of three branches per
     # pass (a chain's conditionals have two: a count's set-up or nothing).
-    branches = [len(m.split(",")) for m in re.findall(r"branch_computations=\{([^}]*)\}", hlo)]
+    branches = conditional_branches(hlo)
     assert 3 in branches, branches
 
 
 @pytest.mark.parametrize(
     ("name", "case", "cfg"), GPU_MATRIX, ids=[ids((c, n, g)) for n, c, g in GPU_MATRIX]
 )
-def test_gpu_kernels_matrix(traced_for_a_gpu, name, case, cfg):
+def test_gpu_kernels_matrix(trace_kernels_for, name, case, cfg):
+    trace_kernels_for("cuda")
     check(case, cfg, GPU_TRANSFORMS[name], program=a_conditional_over_the_counts)
 
 
@@ -440,7 +436,7 @@ def test_while_strategy_rejects_every_reverse_mode(name):
 
 def test_the_guarantees_page_counts_this_matrix():
     """docs/guarantees.md gives the matrix's sizes under ``make test`` and ``make test-full``."""
-    page = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "guarantees.md")).read()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "guarantees.md").read_text()
     full = len(CASES) * (len(REVERSE) * len(REVERSE_CONFIGS) + len(FORWARD) * len(CONFIGS))
     covered = len(CASES) * (len(REVERSE) + len(FORWARD))  # (the first two axes crossed)
     gpu_full = len(GPU_TRANSFORMS) * len(GPU_CASES) * len(GPU_CONFIGS)

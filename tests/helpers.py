@@ -28,15 +28,19 @@ from shared_lists import CHECKPOINTING_STRATEGIES
 def dyndepth_loops(hlo: str) -> dict[str, int]:
     """How many while loops of a compiled program's text dyndepth's batched kernels make,
     forward and backward (named in the ``dyndepth_forward`` / ``dyndepth_backward`` scope, or a
-    slot count's within it; loops in their bodies, such as a step's own, left out)."""
-    name = r"dyndepth_(forward|backward)(?:/dyndepth_slots_\d+)?/while\""
+    slot count's within it, under a conditional over the counts or not; loops in their bodies,
+    such as a step's own, left out)."""
+    name = r"dyndepth_(forward|backward)(?:/cond/branch_\d+_fun)?(?:/dyndepth_slots_\d+)?/while\""
     loops = re.findall(r"= \(.*\) while\(.*op_name=\"[^\"]*" + name, hlo)
     return {d: loops.count(d) for d in ("forward", "backward")}
 
 
-def conditional_branches(hlo: str) -> list[int]:
-    """The number of branches of each conditional in a compiled program's text."""
-    return [len(m.split(",")) for m in re.findall(r"branch_computations=\{([^}]*)\}", hlo)]
+def conditional_branches(hlo: str, scope: str = "") -> list[int]:
+    """The number of branches of each conditional in a compiled program's text (those traced
+    in the named ``scope`` if given, such as ``"dyndepth_forward"``)."""
+    lines = [line for line in hlo.splitlines() if scope in line]
+    found = (re.search(r"branch_computations=\{([^}]*)\}", line) for line in lines)
+    return [len(m.group(1).split(",")) for m in found if m]
 
 
 # ----------------------------------------------------------------------------- subprocesses

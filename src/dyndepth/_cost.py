@@ -142,6 +142,14 @@ def conditionals_on_device() -> bool:
     return current_platform() not in ("gpu", "cuda", "rocm")
 
 
+def keeps_loop_state_in_fast_memory() -> bool:
+    """Whether the platform a kernel is traced for keeps a loop's state in fast memory where a
+    conditional's output would leave it out: a TPU, whose compiler placed a weight's cotangent
+    out of the chip's fast memory when a conditional chose among loops (see
+    :func:`dyndepth._dispatch._chains`)."""
+    return current_platform() == "tpu"
+
+
 # A TPU lays an array's last dimension along its 128 lanes, padded to fill them.
 TPU_LANES = 128
 # Above this many bytes (a store padded to the lanes), moving a store is worth avoiding at the

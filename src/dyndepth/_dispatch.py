@@ -301,12 +301,15 @@ def _store_in_order() -> str | None:
 
 def _chains(thinned_backward: bool = False) -> bool:
     """Whether the slot counts' loops run as one chain (:class:`dyndepth._schedule.Turn`), not
-    under a conditional: where the platform reads a loop's predicate on the device (XLA's GPU
-    runtime reads it on the host, once for each loop of a chain against once for a
-    conditional), but for a thinned store's backward passes (chained, a TPU v5e kept the
-    weights out of its fast memory: 1.27x the time of a long tail's value_and_grad;
-    benchmarks/README.md, "One chain of loops, no conditional")."""
-    return _cost.conditionals_on_device() and not thinned_backward
+    under a conditional: on a TPU (:func:`dyndepth._cost.keeps_loop_state_in_fast_memory`: a
+    conditional's output left a weight's cotangent out of the chip's fast memory, a long tail
+    at 1.19x the time of its chosen count alone), but for a thinned store's backward passes
+    (chained, a TPU v5e kept the weights out of its fast memory: 1.27x the time of a long
+    tail's value_and_grad; benchmarks/README.md, "One chain of loops, no conditional").
+    Elsewhere a conditional: XLA's GPU runtime reads a loop's predicate on the host (once for
+    each loop of a chain), and a CPU pays 15-20 us for each chained loop that does not run
+    (benchmarks/README.md, "A CPU's ladder under one conditional")."""
+    return _cost.keeps_loop_state_in_fast_memory() and not thinned_backward
 
 
 def _ladder(rule: _slots.SlotRule, pick, run, chained: bool) -> tuple:

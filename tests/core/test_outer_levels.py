@@ -1,11 +1,11 @@
 """A loop under two ``vmap`` levels chooses one slot count for every element of the outer one
 (``dyndepth._slots.outer_level``): the choice is not batched, so the conditionals over the
-counts (a GPU's) and over each count's set-up (a chain's) stay conditionals instead of selects
-that run every branch. The groups here prefer different counts alone (one shallow but for one
-deep sample, one deep throughout); values and gradients equal the plain-Python loop's, with
-every carry stored and with two stored per sample (a thinned store, which a wrap-around pass
-writes in schedule order where it fits; the backward pass runs the forward pass's count
-there), under the time rule and the work rule."""
+counts (a CPU's and a GPU's) and over each count's set-up (a TPU's chain) stay conditionals
+instead of selects that run every branch. The groups here prefer different counts alone (one
+shallow but for one deep sample, one deep throughout); values and gradients equal the
+plain-Python loop's, with every carry stored and with two stored per sample (a thinned store,
+which a wrap-around pass writes in schedule order where it fits; the backward pass runs the
+forward pass's count there), under the time rule and the work rule."""
 
 from __future__ import annotations
 
@@ -41,15 +41,16 @@ def reference_loss(W):
 
 @pytest.mark.parametrize("slots", [None, "work"])
 @pytest.mark.parametrize("checkpoints", [None, 2])
-@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+@pytest.mark.parametrize("platform", ["cpu", "tpu", "cuda"])
 def test_one_count_for_every_outer_element(trace_kernels_for, platform, checkpoints, slots):
-    """The kernels traced for this CPU, or for a GPU (its conditional over the counts)."""
+    """The kernels traced for this CPU, for a TPU (its chain of the counts' loops) and for a GPU
+    (the CPU's conditional over the counts, its stores written with fewer conditionals)."""
     trace_kernels_for(platform)
     want = jax.value_and_grad(reference_loss)(W)
     vg = jax.jit(jax.value_and_grad(lambda W: loss(W, checkpoints, slots)))
     tree_allclose(vg(W), want, rtol=2e-5, atol=2e-5)
-    # Several counts in the ladder, each pass's choice one for both groups: a GPU's
-    # conditional over the counts, a chain's conditional per count's set-up (JAX turns a
+    # Several counts in the ladder, each pass's choice one for both groups: a conditional over
+    # the counts, or a chain's conditional per count's set-up (JAX turns a
     # conditional whose index is batched into a select before lowering).
     assert "stablehlo.case" in vg.lower(W).as_text()
 

@@ -313,13 +313,16 @@ def test_work_within_bound_on_every_distribution_forward_and_backward(B, slots):
         ((1, 300, 128, 128, 256), (256, 128, 1)),
     ],
 )
-def test_each_slot_count_is_one_compiled_loop(slots, want):
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])
+def test_each_slot_count_is_one_compiled_loop(trace_kernels_for, platform, slots, want):
     """The compiled value_and_grad has one while loop per slot count forward and one backward
-    (counts of B or more are one: the lockstep batch), run one after another, and no
-    conditional choosing among them: the only conditionals set up a count's schedule (its
-    per-sample table and its slots' first samples: int32 only) where that count runs. (None:
-    the time rule's ladder where an iteration costs one row.)"""
+    (counts of B or more are one: the lockstep batch). On this CPU (and a GPU) one conditional
+    per pass chooses among them; on a TPU they run one after another, and no conditional
+    chooses among them: the only conditionals set up a count's schedule (its per-sample table
+    and its slots' first samples: int32 only) where that count runs. (None: the time rule's
+    ladder where an iteration costs one row.)"""
     assert _slots.SlotRule.of(_checks.slots_arg(slots), 256, 1.0).candidates == want
+    trace_kernels_for(platform)
 
     def loss(W, xs, ds):
         f = lambda x: jnp.tanh(x @ W)  # noqa: E731
@@ -328,6 +331,10 @@ def test_each_slot_count_is_one_compiled_loop(slots, want):
     args = (jnp.eye(D), jnp.ones((256, D)), jnp.ones((256,), jnp.int32))
     hlo = jax.jit(jax.value_and_grad(loss)).lower(*args).compile().as_text()
     assert dyndepth_loops(hlo) == {"forward": len(want), "backward": len(want)}
+    if platform == "cpu":
+        for scope in ("dyndepth_forward", "dyndepth_backward"):
+            assert conditional_branches(hlo, scope).count(len(want)) == (len(want) > 1), scope
+        return
     outputs = re.findall(r"= (\(.*?\)) conditional\(", hlo)
     schedule = r"\(s32\[4,256\]\{1,0\}, s32\[\d+\]\{0\}\)"
     assert all(re.fullmatch(schedule, out) for out in outputs), outputs
@@ -346,11 +353,12 @@ def _chain(ops: int):
 
 
 @pytest.mark.parametrize("checkpoints", [None, 2])
-def test_a_ladder_under_a_conditional_computes_what_the_chain_does(monkeypatch, checkpoints):
-    """Where the slot counts' loops run under a conditional (a GPU's choice, and a thinned
-    store's backward passes everywhere), value_and_grad and the stats equal the chain's, and
-    the compiled program has a conditional over the counts forward and backward."""
-    from dyndepth import _dispatch
+def test_a_ladder_under_a_conditional_computes_what_the_chain_does(trace_kernels_for,
+                                                                   checkpoints):  # fmt: skip
+    """Where the slot counts' loops run under a conditional (this CPU's and a GPU's choice, and
+    a thinned store's backward passes everywhere), value_and_grad and the stats equal those of
+    the chain a TPU runs; the compiled program has a conditional over the counts forward and
+    backward, the chain none forward."""
 
     def loss(W, xs, ds):
         f = lambda x: jnp.tanh(x @ W)  # noqa: E731
@@ -362,13 +370,14 @@ def test_a_ladder_under_a_conditional_computes_what_the_chain_does(monkeypatch, 
     k = jax.random.split(jax.random.PRNGKey(3), 3)
     args = (jax.random.normal(k[0], (D, D)) / D, jax.random.normal(k[1], (8, D)),
             jnp.array([0, 6, 1, 2, 5, 6, 3, 1], jnp.int32))  # fmt: skip
-    chained = jax.jit(jax.value_and_grad(loss, has_aux=True))(*args)
-    monkeypatch.setattr(_dispatch, "_chains", lambda thinned_backward=False: False)
     vg = jax.jit(jax.value_and_grad(loss, has_aux=True))
-    tree_allclose(vg(*args), chained, rtol=1e-6)
-    hlo = vg.lower(*args).compile().as_text()
-    branches = conditional_branches(hlo)
-    assert branches.count(3) >= 2, branches
+    under_conditional = vg(*args)
+    assert conditional_branches(vg.lower(*args).compile().as_text()).count(3) >= 2
+    trace_kernels_for("tpu")
+    chained = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    tree_allclose(under_conditional, chained(*args), rtol=1e-6)
+    assert 3 not in conditional_branches(chained.lower(*args).compile().as_text(),
+                                         "dyndepth_forward")  # fmt: skip
 
 
 @pytest.mark.parametrize("ops, counts", [(60, 5), (150, 3), (300, 2)])

@@ -385,16 +385,17 @@ def test_forward_matrix(case, name, cfg):
     check(case, cfg, FORWARD[name])
 
 
-# A GPU's kernels differ from this CPU's (and a TPU's) where the platform decides
-# (dyndepth._cost.conditionals_on_device): a conditional chooses among the slot counts where
-# this CPU chains their loops, a thinned lockstep store is written without conditionals, and a
-# wrap-around pass writes its store in schedule order only where the loop's shapes make it
-# fit. Emulated here by the platform the kernels are traced for, with the tests' iteration
-# cost, under which a ladder has several counts. The loops that choose among slot counts
-# (repeat, scan and recurrent_depth's), under the transforms that batch them per sample; under
-# two levels the count is chosen once for every outer element, which keeps the conditional
-# (a choice per element would turn it into a select).
-GPU_CASES = ["repeat", "scan", "recurrent_depth"]
+# A platform's kernels differ from this CPU's where it decides (dyndepth._cost): a TPU chains
+# the slot counts' loops (keeps_loop_state_in_fast_memory) where this CPU and a GPU put them
+# under one conditional; a GPU writes a thinned lockstep store without conditionals, and a
+# wrap-around pass's store in schedule order only where the loop's shapes make it fit
+# (conditionals_on_device). Emulated here by the platform the kernels are traced for, with the
+# tests' iteration cost, under which a ladder has several counts. The loops that choose among
+# slot counts (repeat, scan and recurrent_depth's), under the transforms that batch them per
+# sample; under two levels the count is chosen once for every outer element, which keeps the
+# conditionals (a choice per element would turn them into selects).
+PLATFORMS = ["tpu", "cuda"]
+PLATFORM_CASES = ["repeat", "scan", "recurrent_depth"]
 BATCHED = [
     "vmap(grad)",
     "grad(vmap)",
@@ -407,24 +408,34 @@ BATCHED = [
     "vmap(vmap)",
     "jvp(vmap)",
 ]
-GPU_TRANSFORMS = {name: {**REVERSE, **FORWARD}[name] for name in BATCHED}
-GPU_CONFIGS = [c for c in CONFIGS if c[0] == "auto"]
-GPU_MATRIX = covering(list(GPU_TRANSFORMS), GPU_CASES, GPU_CONFIGS, crossed=1)
+PLATFORM_TRANSFORMS = {name: {**REVERSE, **FORWARD}[name] for name in BATCHED}
+PLATFORM_CONFIGS = [c for c in CONFIGS if c[0] == "auto"]
+PLATFORM_MATRIX = covering(PLATFORMS, list(PLATFORM_TRANSFORMS), PLATFORM_CASES, PLATFORM_CONFIGS)
 
 
-def a_conditional_over_the_counts(hlo):
-    # B=3 samples: a ladder of three counts (3, 2, 1), one conditional of three branches per
-    # pass (a chain's conditionals have two: a count's set-up or nothing).
-    branches = conditional_branches(hlo)
-    assert 3 in branches, branches
+def the_platforms_ladder(platform):
+    """A check of the compiled program's ladder forward: B=3 samples make a ladder of three
+    counts (3, 2, 1); a GPU chooses among them with one conditional of three branches, a TPU
+    chains their loops, each count's set-up under a conditional of two (the set-up, or
+    nothing). (A thinned store's backward passes are under conditionals on both.)"""
+
+    def check_program(hlo):
+        branches = conditional_branches(hlo, "dyndepth_forward")
+        assert (3 not in branches and 2 in branches) if platform == "tpu" else 3 in branches, (
+            branches
+        )
+
+    return check_program
 
 
 @pytest.mark.parametrize(
-    ("name", "case", "cfg"), GPU_MATRIX, ids=[ids((c, n, g)) for n, c, g in GPU_MATRIX]
+    ("platform", "name", "case", "cfg"),
+    PLATFORM_MATRIX,
+    ids=[f"{p}-{ids((c, n, g))}" for p, n, c, g in PLATFORM_MATRIX],
 )
-def test_gpu_kernels_matrix(trace_kernels_for, name, case, cfg):
-    trace_kernels_for("cuda")
-    check(case, cfg, GPU_TRANSFORMS[name], program=a_conditional_over_the_counts)
+def test_platform_kernels_matrix(trace_kernels_for, platform, name, case, cfg):
+    trace_kernels_for(platform)
+    check(case, cfg, PLATFORM_TRANSFORMS[name], program=the_platforms_ladder(platform))
 
 
 @pytest.mark.parametrize("name", list(REVERSE))
@@ -439,6 +450,7 @@ def test_the_guarantees_page_counts_this_matrix():
     page = (Path(__file__).resolve().parents[2] / "docs" / "guarantees.md").read_text()
     full = len(CASES) * (len(REVERSE) * len(REVERSE_CONFIGS) + len(FORWARD) * len(CONFIGS))
     covered = len(CASES) * (len(REVERSE) + len(FORWARD))  # (the first two axes crossed)
-    gpu_full = len(GPU_TRANSFORMS) * len(GPU_CASES) * len(GPU_CONFIGS)
+    platforms = len(PLATFORMS) * len(PLATFORM_TRANSFORMS)
+    platforms_full = platforms * len(PLATFORM_CASES) * len(PLATFORM_CONFIGS)
     assert f"a covering subset ({covered}:" in page and f"runs all {full}." in page
-    assert f"{len(GPU_TRANSFORMS)} in `make test`, {gpu_full} in `make test-full`" in page
+    assert f"{platforms} in `make test`, {platforms_full} in `make test-full`" in page

@@ -3,11 +3,11 @@
 ``jax.vmap(jax.vmap(repeat))`` over ``G`` groups of ``B / G`` samples computes what
 ``jax.vmap(repeat)`` over all ``B`` does. The slot count is chosen once for every group
 (``dyndepth._slots.outer_level``); a choice per group would be batched over the outer level,
-which on a CPU or a TPU runs the counts' chained loops masked to the groups that chose them and
-on a GPU, whose counts sit under one conditional, turns that conditional into a select that
-runs every count's loop. The GPU's program is traced here on the host by setting the platform
-the kernels are traced for (a private hook: ``dyndepth._cost.current_platform``) with the
-CPU's time model, so that both programs choose among the same counts; both run on this CPU.
+which on a TPU runs the counts' chained loops masked to the groups that chose them and on a CPU
+or a GPU, whose counts sit under one conditional, turns that conditional into a select that
+runs every count's loop. The TPU's and the GPU's programs are traced here on the host by
+setting the platform the kernels are traced for (``measure.trace_as``, a private hook) with
+the CPU's time model, so that every program chooses among the same counts; all run on this CPU.
 It prints the forward time (best of ``--rounds`` interleaved rounds), the loops and the
 conditionals in each optimized program (a select where a conditional was shows as fewer).
 
@@ -24,11 +24,10 @@ import re
 
 import jax
 import jax.numpy as jnp
-from measure import machine_line, table
+from measure import machine_line, table, trace_as
 from scheduler import DISTRIBUTIONS, depths_of, interleaved_ms, layer
 
 import dyndepth as dd
-from dyndepth import _cost
 
 
 def programs(W, xs, ds, groups: int, max_depth: int) -> dict:
@@ -68,11 +67,9 @@ def main() -> None:
     ds = depths_of(a.dist, k[2], a.batch, a.max_depth)
     host = jax.default_backend()
     calls, shapes, outs = {}, {}, []
-    for platform in (host, "cuda"):
-        # (traced now, under this platform's decisions and the host's time model)
-        _cost.current_platform = lambda platform=platform: platform
-        dd.set_iteration_cost(platform, _cost.backend_cost(host))
-        traced_for = "a GPU" if platform == "cuda" else host
+    for platform in (host, "tpu", "cuda"):
+        trace_as(platform)
+        traced_for = {"tpu": "a TPU", "cuda": "a GPU"}.get(platform, host)
         for level, fn in programs(W, xs, ds, a.groups, a.max_depth).items():
             calls[traced_for, level] = (fn, (xs, ds))
             shapes[traced_for, level] = shape_of(fn.lower(xs, ds).compile().as_text())

@@ -240,3 +240,36 @@ def test_slot_counts_follow_the_lowering_platform():
         dd.set_iteration_cost("cpu", host)
     assert branches["tpu"] == set(), branches
     assert len(branches["cpu"]) >= 3, branches
+
+
+def test_the_ladders_form_follows_the_lowering_platform():
+    """The same traced program lowered for each platform: a TPU runs the slot counts' loops one
+    after another (each in its count's scope directly), a CPU and a GPU choose among them under
+    one conditional (each in a branch of it), forward and backward. Every platform's iteration
+    is free here, so each has the same ladder of several counts."""
+    W = jnp.eye(4) * 0.5
+    xs = jnp.ones((64, 4))
+    depths = jnp.arange(64) % 7
+
+    def loss(W):
+        one = lambda x, d: dd.repeat(lambda c: jnp.tanh(c @ W), x, d, max_depth=8)  # noqa: E731
+        return jnp.sum(jax.vmap(one)(xs, depths))
+
+    free = dd.IterationCost(fixed_seconds=0.0, flops_per_second=1e12, row_floor_seconds=1e-9)
+    platforms = ("cpu", "tpu", "cuda")
+    before = {p: dd_cost.backend_cost(p) for p in platforms}
+    for p in platforms:
+        dd.set_iteration_cost(p, free)
+    try:
+        traced = jax.jit(jax.grad(loss)).trace(W)
+        texts = {p: traced.lower(lowering_platforms=(p,)).as_text(debug_info=True)
+                 for p in platforms}  # fmt: skip
+    finally:
+        for p in platforms:
+            dd.set_iteration_cost(p, before[p])
+    scope = r"dyndepth_(forward|backward)/(cond/branch_\d+_fun/)?dyndepth_slots_\d+"
+    for p, text in texts.items():
+        found = {(m.group(1), bool(m.group(2))) for m in re.finditer(scope, text)}
+        under_conditional = p != "tpu"
+        assert found == {("forward", under_conditional), ("backward", under_conditional)}, p
+        assert len(set(re.findall(r"dyndepth_slots_\d+", text))) >= 3, p

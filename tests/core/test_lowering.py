@@ -194,19 +194,24 @@ def test_a_store_the_host_would_thin_lowers_for_every_platform():
         dd.set_iteration_cost("cpu", host)
 
 
-def test_profiles_name_the_loops():
-    """The batched loop's kernels carry named scopes (``jax.named_scope``) in the compiled
-    program's metadata, as profilers show them: forward, backward and each slot count's
-    branch."""
-    W = jnp.eye(4) * 0.5
-    xs = jnp.ones((8, 4))
-    depths = jnp.arange(8)
+def vmapped_repeat_loss(batch: int, depths):
+    """``W -> sum(vmap(repeat(tanh(c @ W))))`` over ``batch`` rows of ones, per-sample
+    ``depths``."""
+    xs = jnp.ones((batch, 4))
 
     def loss(W):
         one = lambda x, d: dd.repeat(lambda c: jnp.tanh(c @ W), x, d, max_depth=8)  # noqa: E731
         return jnp.sum(jax.vmap(one)(xs, depths))
 
-    text = jax.jit(jax.grad(loss)).lower(W).as_text(debug_info=True)
+    return loss
+
+
+def test_profiles_name_the_loops():
+    """The batched loop's kernels carry named scopes (``jax.named_scope``) in the compiled
+    program's metadata, as profilers show them: forward, backward and each slot count's
+    branch."""
+    loss = vmapped_repeat_loss(8, jnp.arange(8))
+    text = jax.jit(jax.grad(loss)).lower(jnp.eye(4) * 0.5).as_text(debug_info=True)
     for scope in ("dyndepth_forward", "dyndepth_backward", "dyndepth_slots_8"):
         assert scope in text, scope
 
@@ -216,13 +221,7 @@ def test_slot_counts_follow_the_lowering_platform():
     model: here the host's iteration is free (every slot count a candidate, one branch each)
     and the TPU's costs a second (lockstep alone: no branch)."""
     W = jnp.eye(4) * 0.5
-    xs = jnp.ones((64, 4))
-    depths = jnp.arange(64) % 7
-
-    def loss(W):
-        one = lambda x, d: dd.repeat(lambda c: jnp.tanh(c @ W), x, d, max_depth=8)  # noqa: E731
-        return jnp.sum(jax.vmap(one)(xs, depths))
-
+    loss = vmapped_repeat_loss(64, jnp.arange(64) % 7)
     host = dd_cost.backend_cost("cpu")
     free = dd.IterationCost(fixed_seconds=0.0, flops_per_second=1e12, row_floor_seconds=1e-9)
     dear = dd.IterationCost(fixed_seconds=1.0, flops_per_second=1e12, row_floor_seconds=1e-9)
@@ -248,13 +247,7 @@ def test_the_ladders_form_follows_the_lowering_platform():
     one conditional (each in a branch of it), forward and backward. Every platform's iteration
     is free here, so each has the same ladder of several counts."""
     W = jnp.eye(4) * 0.5
-    xs = jnp.ones((64, 4))
-    depths = jnp.arange(64) % 7
-
-    def loss(W):
-        one = lambda x, d: dd.repeat(lambda c: jnp.tanh(c @ W), x, d, max_depth=8)  # noqa: E731
-        return jnp.sum(jax.vmap(one)(xs, depths))
-
+    loss = vmapped_repeat_loss(64, jnp.arange(64) % 7)
     free = dd.IterationCost(fixed_seconds=0.0, flops_per_second=1e12, row_floor_seconds=1e-9)
     platforms = ("cpu", "tpu", "cuda")
     before = {p: dd_cost.backend_cost(p) for p in platforms}

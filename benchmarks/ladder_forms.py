@@ -1,16 +1,17 @@
 """The slot counts' loops under one conditional (a CPU's and a GPU's form) against one chain of
-loops (a TPU's), on this CPU.
+loops (a TPU's), on the machine it runs on.
 
 A batched loop with per-sample depths compiles a ladder of slot counts and runs the one its
 time rule picks. A CPU or a GPU chooses among the counts' loops with one conditional; a TPU
 runs them one after another, each iterating only on its turn (``dyndepth._schedule.Turn``),
-which keeps a loop's state in the chip's fast memory. The TPU's program is traced here on the
-host (``measure.trace_as``, a private hook) with the CPU's time model, so that both choose the
-same count. Each is timed against that count fixed (``slots=S``, one loop), forward and
-value_and_grad, in interleaved rounds; ``--forward-only`` leaves the value_and_grad calls out
-of the rounds (they evict the forward calls' data from the caches between calls). This
-machine's speed at about a millisecond moves between processes more than within one, so the
-measurement runs in ``--processes`` fresh processes and prints each one's ratios.
+which keeps a loop's state in the chip's fast memory. Each form is traced as for its platform
+(``measure.trace_as``, a private hook) with this machine's time model, so that both choose the
+same count. Each is timed against the forward pass's count fixed (``slots=S``, one loop),
+forward and value_and_grad (whose backward pass chooses its own count, which may differ), in
+interleaved rounds; ``--forward-only`` leaves the value_and_grad calls out of the rounds (on a
+CPU they evict the forward calls' data from the caches between calls). A CPU's speed at about
+a millisecond moves between processes more than within one, so the measurement runs in
+``--processes`` fresh processes and prints each one's ratios.
 
 How to run (from the repository root)::
 
@@ -48,7 +49,8 @@ def one_process(a) -> dict:
     ds = depths_of(a.dist, k[2], a.batch, a.max_depth)
     passes = ["forward"] if a.forward_only else ["forward", "value_and_grad"]
     calls, S = {}, chosen_count(W, xs, ds, a.max_depth)
-    for label, platform in [*FORMS.items(), (f"S={S} fixed", "cpu")]:
+    host = jax.default_backend()
+    for label, platform in [*FORMS.items(), (f"S={S} fixed", host)]:
         trace_as(platform)
         kw = {"slots": S} if label.startswith("S=") else {}
         run = lambda W, xs, ds, md, kw=kw: scheduled(W, xs, ds, md, **kw)  # noqa: E731
@@ -59,12 +61,20 @@ def one_process(a) -> dict:
         for p in passes:
             jax.block_until_ready(fns[p](W, xs, ds))  # (traced now, under this platform)
             calls[p, label] = (fns[p], (W, xs, ds))
-    trace_as("cpu")
+    trace_as(host)
     times = interleaved_ms(calls, a.rounds)
     out = {p: {} for p in passes}
     for (p, label), ms in times.items():
         out[p][label] = ms
     return out
+
+
+def one_child() -> dict:
+    """:func:`one_process` in a fresh process, with this one's arguments."""
+    child = subprocess.run([sys.executable, *sys.argv, "--one"], capture_output=True, text=True)
+    if child.returncode:
+        sys.exit(f"ladder_forms.py: a measuring process failed:\n{child.stderr[-4000:]}")
+    return json.loads(child.stdout.splitlines()[-1])
 
 
 def main() -> None:
@@ -83,10 +93,8 @@ def main() -> None:
     if a.one:
         print(json.dumps(one_process(a)))
         return
-    print(machine_line())
-    runs = [json.loads(subprocess.run([sys.executable, *sys.argv, "--one"], check=True,
-                                      capture_output=True, text=True).stdout.splitlines()[-1])
-            for _ in range(a.processes)]  # fmt: skip
+    runs = [one_child() for _ in range(a.processes)]
+    print(machine_line())  # (after the children: an accelerator opens in one process at a time)
     print(
         f"B={a.batch}, D={a.width}, max_depth {a.max_depth}, {a.dist} depths; best of "
         f"{a.rounds} interleaved rounds in each of {a.processes} processes"

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import dyndepth
+from dyndepth import _budget as dd_budget
 from dyndepth import _cost as dd_cost
 from dyndepth_app.bench import time_in_rounds
 
@@ -98,10 +99,13 @@ def compile_times(make: Callable[[int], Callable], args: Sequence, repeats: int)
 
 def trace_as(platform: str) -> None:
     """Trace dyndepth's loops from now on as for ``platform`` (its decisions, such as a TPU's
-    chain of the slot counts' loops or a GPU's stores), under this host's time model, so that
-    every program chooses among the same counts; they still run here. A private hook
-    (``dyndepth._cost.current_platform``), for measurements only."""
+    chain of the slot counts' loops or a GPU's stores), under this host's time model and
+    stored-carry budget, so that every program chooses among the same counts and stores as
+    many carries; they still run here. A private hook (``dyndepth._cost.current_platform``),
+    for measurements only."""
     host = jax.default_backend()
+    dd_cost.current_platform = lambda: host
+    dyndepth.set_stored_carry_budget(None if platform == host else dd_budget.default_budget())
     dd_cost.current_platform = lambda: platform
     dyndepth.set_iteration_cost(platform, dd_cost.backend_cost(host))
 

@@ -104,7 +104,7 @@ def trace_as(platform: str) -> None:
     many carries; they still run here. A private hook (``dyndepth._cost.current_platform``),
     for measurements only."""
     host = jax.default_backend()
-    dd_cost.current_platform = lambda: host
+    dd_cost.current_platform = lambda: host  # (the host's budget, whatever an earlier call set)
     dyndepth.set_stored_carry_budget(None if platform == host else dd_budget.default_budget())
     dd_cost.current_platform = lambda: platform
     dyndepth.set_iteration_cost(platform, dd_cost.backend_cost(host))

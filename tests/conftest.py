@@ -46,8 +46,9 @@ dd.set_iteration_cost("cpu", TEST_COST)
 @pytest.fixture
 def trace_kernels_for(monkeypatch):
     """``trace_kernels_for(platform)``: until the test ends, the loops' kernels are traced as for
-    ``platform`` (its decisions, such as a GPU's conditional over the slot counts where a CPU or
-    a TPU chains their loops), under the tests' iteration cost; they still run on this CPU."""
+    ``platform`` (its decisions, such as a TPU's chain of the slot counts' loops where a CPU or
+    a GPU chooses among them under one conditional), under the tests' iteration cost; they still
+    run on this CPU."""
 
     def trace_for(platform: str) -> None:
         if platform != jax.default_backend():

@@ -22,11 +22,14 @@ lint: venv
 # minutes on this project's 2-core machine, 2026-12-04, 850 tests; 22.9 on a slower one,
 # 2026-12-07, 1,232 tests, 30.5 there before the covering subsets of tests/shared_lists.py);
 # three processes ran a test file slower than two; `make test PYTEST_ARGS=` runs one process.
-# tests/conftest.py compiles at XLA's CPU backend level 0 except with DYNDEPTH_FULL=1.
+# Work stealing: the load scheduler left one process idle for 2-2.5 minutes at the end while the
+# other ran its last long tests. tests/conftest.py compiles at XLA's CPU backend level 0, with
+# its older fusion emitters, except with DYNDEPTH_FULL=1 (30.8 minutes before the emitters' flag
+# in one run of `make test`'s pytest, 22.2 after).
 # The suite includes the documentation (tests/packaging/test_docs.py runs its code,
 # tests/packaging/test_site.py builds the site and checks its pages) and the packaging
 # (tests/packaging/test_wheel.py).
-PYTEST_ARGS ?= -n 2
+PYTEST_ARGS ?= -n 2 --dist worksteal
 
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS) tests

@@ -20,6 +20,7 @@ PARAMS = {
 KEY = jax.random.PRNGKey(4)
 KEYS = jax.random.split(jax.random.PRNGKey(5), 8)
 GTOL = dict(rtol=1e-5, atol=1e-5)
+SCALED_GTOL = dict(rtol=1e-5, atol=5e-5)
 
 
 def branch_of(W):
@@ -241,7 +242,9 @@ def test_layer_drop_matches_masked_reference_in_value_and_gradient(mode, rate, s
     for key in KEYS[:3]:
         tree_allclose(jax.jit(fast)(PARAMS, X, key), ref(PARAMS, X, key))
         (v, (gp, gx)), (rv, (rgp, rgx)) = fast_vg(PARAMS, X, key), ref_vg(PARAMS, X, key)
-        tree_allclose((v, gp, gx), (rv, rgp, rgx), **GTOL)
+        # Scaled by 1 / (1 - rate), the weights' gradients reach about 8: float32 rounding
+        # through five layers then moves an entry by about 1e-5 between compiled programs.
+        tree_allclose((v, gp, gx), (rv, rgp, rgx), **(SCALED_GTOL if scale else GTOL))
         if mode == "batch":  # dropped layers get exactly zero gradient
             rates = jnp.broadcast_to(jnp.asarray(rate, jnp.float32), (L,))
             dropped = ~np.asarray(jax.random.bernoulli(key, 1 - rates))

@@ -25,7 +25,8 @@ lint: venv
 # Work stealing: the load scheduler left one process idle for 2-2.5 minutes at the end while the
 # other ran its last long tests. tests/conftest.py compiles at XLA's CPU backend level 0, with
 # its older fusion emitters, except with DYNDEPTH_FULL=1 (30.8 minutes before the emitters' flag
-# in one run of `make test`'s pytest, 22.2 after).
+# in one run of `make test`'s pytest, 22.2 after; a fresh clone's `make test` then took 22.7
+# minutes, 1,271 tests, 2026-12-07).
 # The suite includes the documentation (tests/packaging/test_docs.py runs its code,
 # tests/packaging/test_site.py builds the site and checks its pages) and the packaging
 # (tests/packaging/test_wheel.py).

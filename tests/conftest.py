@@ -18,18 +18,18 @@ import sys
 FULL = os.environ.get("DYNDEPTH_FULL") == "1"
 
 
-def _jaxlib_minor() -> tuple[int, int]:
+def _jaxlib_major_minor() -> tuple[int, int]:
     major, minor = importlib.metadata.version("jaxlib").split(".")[:2]
     return int(major), int(minor)
 
 
 if not FULL:
-    flags = [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]
+    xla_flags = [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]
     # An XLA that does not know a flag aborts at start: the emitters' flag goes only to the
     # jaxlib releases it was checked on (0.9.2, the floor, to 0.10.2).
-    if _jaxlib_minor() < (0, 11):
-        flags.append("--xla_cpu_use_fusion_emitters=false")
-    os.environ["XLA_FLAGS"] = " ".join(flags).strip()
+    if _jaxlib_major_minor() < (0, 11):
+        xla_flags.append("--xla_cpu_use_fusion_emitters=false")
+    os.environ["XLA_FLAGS"] = " ".join(xla_flags).strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
